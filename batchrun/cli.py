@@ -1,0 +1,74 @@
+"""Command line: `batchrun generate` runs a Parquet prompt set through the engine."""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+import click
+
+from batchrun.config import EngineConfig
+
+
+@click.group()
+@click.option("-v", "--verbose", is_flag=True, help="Log engine details (KV pool size, model conversion).")
+def main(verbose: bool) -> None:
+    """batchrun: offline LLM batch inference."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(asctime)s %(message)s")
+
+
+@main.command()
+@click.argument("parquet", type=click.Path(exists=True, dir_okay=False))
+@click.option("--model", default="smollm2-135m", show_default=True)
+@click.option("--output", "-o", type=click.Path(dir_okay=False), help="Write results to this Parquet file.")
+@click.option("--limit", type=int, help="Only the first N rows.")
+@click.option("--prompt-column", default="prompt", show_default=True)
+@click.option("--id-column", default="id", show_default=True)
+@click.option("--max-tokens", type=int, default=64, show_default=True,
+              help="Used where the file has no max_tokens column.")
+@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--chat/--no-chat", default=False, help="Wrap each prompt as a user message in the chat template.")
+@click.option("--kv-cache-memory", default="2GiB", show_default=True)
+@click.option("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs, show_default=True)
+@click.option("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens, show_default=True)
+def generate(parquet, model, output, limit, prompt_column, id_column, max_tokens, temperature, chat,
+             kv_cache_memory, max_num_seqs, max_num_batched_tokens) -> None:
+    """Generate a completion for every row of PARQUET (columns: id, prompt, optional max_tokens)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from batchrun import LLM, SamplingParams
+
+    table = pq.read_table(parquet)
+    if limit:
+        table = table.slice(0, limit)
+    for column in (id_column, prompt_column):
+        if column not in table.column_names:
+            raise click.UsageError(f"{parquet}: no column {column!r} (columns: {', '.join(table.column_names)})")
+    rows = table.to_pylist()
+    try:
+        llm = LLM(model=model, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+                  max_num_batched_tokens=max_num_batched_tokens)
+        params = [SamplingParams(max_tokens=int(r.get("max_tokens") or max_tokens), temperature=temperature)
+                  for r in rows]
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    prompts = [[{"role": "user", "content": r[prompt_column]}] if chat else r[prompt_column] for r in rows]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty())
+    wall = time.perf_counter() - start
+    out_tokens = sum(len(o.token_ids) for o in outs)
+    if output:
+        pq.write_table(pa.table({
+            "id": [r[id_column] for r in rows], "text": [o.text for o in outs],
+            "finish_reason": [o.finish_reason for o in outs], "prompt_tokens": [o.prompt_tokens for o in outs],
+            "completion_tokens": [len(o.token_ids) for o in outs], "error": [o.error for o in outs]}), output)
+    else:
+        for r, o in zip(rows[:5], outs):
+            click.echo(f"[{r[id_column]}] {o.text!r} ({o.finish_reason})")
+    s = llm.engine.stats
+    click.echo(json.dumps({"rows": len(rows), "errors": sum(o.finish_reason == "error" for o in outs),
+                           "output_tokens": out_tokens, "wall_s": round(wall, 2),
+                           "output_tokens_per_s": round(out_tokens / wall, 2), "preemptions": s.preemptions,
+                           "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens}))

@@ -1,0 +1,65 @@
+"""Engine configuration and its validation (each error names the field)."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_memory(value: str | int | float, field: str = "kv_cache_memory") -> int:
+    """'2GiB', '512MiB', '1.5GB' or a byte count -> bytes."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        size = float(value)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        unit = m.group(2).lower() if m else None
+        if not m or unit not in _UNITS:
+            raise ValueError(f"{field}: cannot parse {value!r} as a memory size; "
+                             "use a byte count or a number with a unit such as '512MiB', '2GiB' or '4GB'")
+        size = float(m.group(1)) * _UNITS[unit]
+    if size <= 0:
+        raise ValueError(f"{field}: must be a positive size, got {value!r}")
+    return int(size)
+
+
+@dataclass
+class EngineConfig:
+    model: str = "smollm2-135m"
+    tokenizer: str | None = None
+    trust_remote_code: bool = False
+    device: str = "auto"                 # "auto" -> cuda when available, else cpu
+    dtype: str = "auto"                  # compute dtype; "auto" -> float32 on CPU, the model's dtype on CUDA
+    kv_cache_dtype: str = "auto"         # storage dtype of the paged KV cache
+    kv_cache_memory: str | int = "2GiB"  # KV pool budget (CPU; GPU sizing by profiling builds on it)
+    gpu_memory_utilization: float = 0.9
+    block_size: int = 16
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None     # default: the model's context length
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self):
+        self.kv_cache_bytes = parse_memory(self.kv_cache_memory)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: unknown value {self.kv_cache_dtype!r}; allowed: {', '.join(KV_CACHE_DTYPES)}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend: unknown value {self.attention_backend!r}; "
+                             f"allowed: {', '.join(ATTENTION_BACKENDS)}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len <= 0):
+            raise ValueError(f"max_model_len: must be a positive integer, got {self.max_model_len!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization!r}")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

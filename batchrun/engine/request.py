@@ -1,0 +1,77 @@
+"""A generation request and the output handed back to callers."""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from batchrun.sampling_params import SamplingParams
+
+_arrival_counter = itertools.count()
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    lane: str = "batch"
+    priority: int = 0                     # higher is admitted first
+    order_key: tuple = ()                 # admission order within a priority (e.g. a length bucket)
+    arrival_index: int = field(default_factory=lambda: next(_arrival_counter))
+    arrival_time: float = field(default_factory=time.monotonic)
+    token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0          # tokens whose K/V are in the cache
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hash of each full block of token_ids
+    num_cached_tokens: int = 0            # prompt tokens served from the prefix cache
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None      # "stop", "length" or "error"
+    error: str | None = None
+    logprobs: list[float] = field(default_factory=list)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    generator: object = None              # torch.Generator for seeded sampling
+    text: str | None = None               # detokenized output, set on finish (or cut at a stop string)
+
+    def __post_init__(self):
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_tokens: int
+    token_ids: list[int]
+    text: str | None
+    finished: bool
+    finish_reason: str | None
+    error: str | None = None
+    logprobs: list[float] | None = None
+    cached_tokens: int = 0
+    time_to_first_token: float | None = None   # seconds from arrival
+    latency: float | None = None               # seconds from arrival to finish

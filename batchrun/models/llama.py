@@ -1,0 +1,147 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) over the paged KV cache.
+
+Weights keep transformers' names, except that q/k/v and gate/up projections are fused into one
+matrix each at load time (fewer, larger matrix products).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchrun.engine.attention import AttentionMetadata
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # As transformers does: normalise in float32, scale in the input dtype.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_tables(config, head_dim: int, max_len: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [max_len, head_dim], using transformers' RoPE variants (llama3, yarn, ...)."""
+    params = getattr(config, "rope_parameters", None) or {
+        "rope_theta": getattr(config, "rope_theta", 10000.0), **(getattr(config, "rope_scaling", None) or {})}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    scaling = 1.0
+    if rope_type == "default":
+        inv_freq = 1.0 / params["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq.float())
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return (emb.cos() * scaling).to(device, dtype), (emb.sin() * scaling).to(device, dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, d]; cos/sin [T, d] (rotate-half convention, as transformers' Llama)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, config, backend):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size,
+                                bias=config.model_type != "qwen2" and getattr(config, "attention_bias", False))
+        self.scale = self.head_dim ** -0.5
+        self.backend = backend
+        self.k_cache = self.v_cache = None   # set by the model runner
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata):
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, backend):
+        super().__init__()
+        self.self_attn = Attention(config, backend)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, backend):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config, backend):
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"model: hidden_act {config.hidden_act!r} is not supported (only silu)")
+        self.config = config
+        self.model = LlamaModel(config, backend)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.cos = self.sin = None
+
+    def init_rope(self, max_len: int, device, dtype) -> None:
+        head_dim = self.model.layers[0].self_attn.head_dim
+        self.cos, self.sin = rope_tables(self.config, head_dim, max_len, device, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        """Hidden states for every new token; logits only at `logits_indices` (the tokens to sample)."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.cos[positions], self.sin[positions]
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, meta)
+        return self.lm_head(self.model.norm(x[logits_indices])).float()
+
+
+def fuse_checkpoint(weights: dict[str, torch.Tensor], tie_embeddings: bool) -> dict[str, torch.Tensor]:
+    """transformers' tensor names -> this module's (fused q/k/v and gate/up)."""
+    out = {}
+    for name, tensor in weights.items():
+        if "rotary_emb" in name:
+            continue
+        for parts, fused in ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj")):
+            if f".{parts[0]}." in name:
+                out[name.replace(parts[0], fused)] = torch.cat([weights[name.replace(parts[0], p)] for p in parts])
+        if not any(f".{p}." in name for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
+            out[name] = tensor
+    if tie_embeddings or "lm_head.weight" not in out:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out

@@ -1,0 +1,1 @@
+"""Paged-attention kernels, imported as `batchrun.kernels`; reference.py is the pure-torch path."""

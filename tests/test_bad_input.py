@@ -1,0 +1,57 @@
+"""Bad input gets an error naming the field; a bad request in a batch fails alone."""
+import pytest
+
+from batchrun import LLM, EngineConfig, SamplingParams
+from conftest import random_prompts
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"), (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k")])
+def test_bad_sampling_params(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(kv_cache_memory="lots"), "kv_cache_memory: cannot parse 'lots'"),
+    (dict(kv_cache_memory="2 parsecs"), "kv_cache_memory"),
+    (dict(kv_cache_memory=0), "kv_cache_memory: must be a positive"),
+    (dict(kv_cache_dtype="int4"), "kv_cache_dtype: unknown value 'int4'; allowed"),
+    (dict(block_size=0), "block_size"), (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+    (dict(attention_backend="cuda-magic"), "attention_backend")])
+def test_bad_engine_config(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kwargs)
+
+
+def test_unknown_model_and_option(tmp_path):
+    with pytest.raises(ValueError, match="model: 'no-such-model' is neither"):
+        LLM(model="no-such-model")
+    with pytest.raises(ValueError, match="no config.json"):
+        LLM(model=str(tmp_path))
+    with pytest.raises(TypeError, match="unknown option.*kv_cache_mem"):
+        LLM(model=str(tmp_path), kv_cache_mem="1GiB")
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2", "vocab_size": 10, "n_embd": 8, "n_layer": 1, '
+                                          '"n_head": 1}')
+    with pytest.raises(ValueError, match="architecture 'gpt2' is not supported.*llama, mistral, qwen2"):
+        LLM(model=str(tmp_path))
+
+
+def test_bad_request_fails_alone(tiny_llm):
+    too_long = random_prompts([600])[0]   # the tiny model's context is 512
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    outs = tiny_llm.generate([random_prompts([4])[0], too_long, [], [9999]] + random_prompts([6]), params,
+                             use_tqdm=False)
+    assert [o.finish_reason for o in outs] == ["length", "error", "error", "error", "length"]
+    assert "600 tokens does not fit the context of 512" in outs[1].error
+    assert "empty prompt" in outs[2].error and "token ids must be in" in outs[3].error
+
+
+def test_request_larger_than_pool(tiny_model):
+    llm = LLM(model=tiny_model[0], block_size=4, kv_cache_memory=512 * 16)
+    out = llm.generate([random_prompts([10])[0]], SamplingParams(max_tokens=20), use_tqdm=False)[0]
+    assert out.finish_reason == "error" and "raise kv_cache_memory" in out.error

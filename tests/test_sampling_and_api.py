@@ -1,0 +1,89 @@
+"""Sampling options, stop conditions, logprobs and the LLM API shapes on the tiny model."""
+import torch
+
+from batchrun import SamplingParams
+from conftest import random_prompts
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_llm):
+    prompt = random_prompts([7])[0]
+    params = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, top_k=50, seed=123, ignore_eos=True)
+    alone = tiny_llm.generate([prompt], params, use_tqdm=False)[0].token_ids
+    others = SamplingParams(max_tokens=10, temperature=1.0, seed=5, ignore_eos=True)
+    batch = tiny_llm.generate([prompt] + random_prompts([5, 9], seed=4), [params, others, others], use_tqdm=False)
+    assert batch[0].token_ids == alone
+    unseeded = SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True)
+    runs = {tuple(tiny_llm.generate([prompt], unseeded, use_tqdm=False)[0].token_ids) for _ in range(3)}
+    assert len(runs) > 1
+
+
+def test_top_k_one_is_greedy(tiny_llm):
+    prompts = random_prompts([4, 11])
+    greedy = tiny_llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
+    topk = tiny_llm.generate(prompts, SamplingParams(max_tokens=8, temperature=1.5, top_k=1, ignore_eos=True),
+                             use_tqdm=False)
+    assert [o.token_ids for o in greedy] == [o.token_ids for o in topk]
+
+
+def test_logprobs_match_reference(tiny_llm, tiny_model):
+    prompt = random_prompts([6])[0]
+    out = tiny_llm.generate([prompt], SamplingParams(max_tokens=5, temperature=0, logprobs=True, ignore_eos=True),
+                            use_tqdm=False)[0]
+    full = torch.tensor([prompt + out.token_ids])
+    with torch.no_grad():
+        logits = tiny_model[1](full).logits[0, len(prompt) - 1:-1]
+    expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(out.logprobs), expected, atol=1e-4)
+
+
+def test_stop_token_ids_and_eos(tiny_llm):
+    prompt = random_prompts([5])[0]
+    free = tiny_llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+                             use_tqdm=False)[0]
+    stop_at = free.token_ids[3]
+    out = tiny_llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_at],
+                                                     ignore_eos=True), use_tqdm=False)[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == free.token_ids[:free.token_ids.index(stop_at) + 1]
+
+
+def test_stop_string_cuts_text(tiny_llm):
+    prompt = random_prompts([5])[0]
+    free = tiny_llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                             use_tqdm=False)[0]
+    stop = free.text[len(free.text) // 2:][:2]
+    assert stop
+    out = tiny_llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, stop=stop, ignore_eos=True),
+                            use_tqdm=False)[0]
+    assert out.finish_reason == "stop"
+    assert stop not in out.text and free.text.startswith(out.text)
+
+
+def test_prompt_forms_and_order(tiny_llm):
+    text = "The quick brown fox"
+    ids = tiny_llm.tokenizer(text).input_ids
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    by_text, by_ids = tiny_llm.generate([text, ids], params, use_tqdm=False)
+    assert by_text.token_ids == by_ids.token_ids and by_text.prompt_tokens == len(ids)
+    single = tiny_llm.generate(text, params, use_tqdm=False)
+    assert len(single) == 1 and single[0].token_ids == by_text.token_ids
+    chat = tiny_llm.chat([{"role": "user", "content": text}], params, use_tqdm=False)[0]
+    templated = tiny_llm.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                       add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert chat.prompt_tokens == len(templated)
+    outs = tiny_llm.generate(random_prompts([30, 2, 15, 1]), [SamplingParams(max_tokens=m, temperature=0,
+                                                                              ignore_eos=True) for m in (3, 9, 1, 5)],
+                             use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == [3, 9, 1, 5]
+    assert all(o.latency is not None and o.time_to_first_token <= o.latency for o in outs)
+
+
+def test_step_api_streams_tokens(tiny_llm):
+    request = tiny_llm.add_request(random_prompts([5])[0], SamplingParams(max_tokens=4, temperature=0,
+                                                                          ignore_eos=True))
+    seen = []
+    while tiny_llm.engine.has_unfinished():
+        for out in tiny_llm.step():
+            if out.request_id == request.request_id:
+                seen.append(len(out.token_ids))
+    assert seen == [1, 2, 3, 4]
