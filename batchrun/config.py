@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, fields
 
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -34,7 +34,7 @@ class EngineConfig:
     device: str = "auto"                 # "auto" -> cuda when available, else cpu
     dtype: str = "auto"                  # compute dtype; "auto" -> float32 on CPU, the model's dtype on CUDA
     kv_cache_dtype: str = "auto"         # storage dtype of the paged KV cache
-    kv_cache_memory: str | int = "2GiB"  # KV pool budget (CPU; GPU sizing by profiling builds on it)
+    kv_cache_memory: str | int | None = None  # KV pool budget; default 2GiB on CPU, profiled on CUDA
     gpu_memory_utilization: float = 0.9
     block_size: int = 16
     max_num_seqs: int = 128
@@ -45,7 +45,7 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self):
-        self.kv_cache_bytes = parse_memory(self.kv_cache_memory)
+        self.kv_cache_bytes = None if self.kv_cache_memory is None else parse_memory(self.kv_cache_memory)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: unknown value {self.kv_cache_dtype!r}; allowed: {', '.join(KV_CACHE_DTYPES)}")
         if self.attention_backend not in ATTENTION_BACKENDS:

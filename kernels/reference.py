@@ -1,39 +1,51 @@
 """Pure-torch paged attention: the CPU path of the engine and the reference for the Triton kernels.
 
-Cache layout, per layer: k_cache and v_cache of shape [num_blocks, block_size, num_kv_heads, head_dim],
-in the storage dtype; values are converted to the query's dtype on read.
+Cache layout, per layer: k_cache and v_cache [num_blocks, block_size, kv_heads, head_dim] in the storage dtype
+(float32/float16/bfloat16, or int8/fp8 codes with k_scale/v_scale [num_blocks, block_size, kv_heads] float32).
+Values are dequantized / converted to the query's dtype on read.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from batchrun.kernels import quant
+
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    """Scatter the step's new key/value rows [T, kv_heads, head_dim] to their slots; slot -1 is skipped."""
+                   slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                   v_scale: torch.Tensor | None = None) -> None:
+    """Scatter the step's new key/value rows [T, kv_heads, head_dim] to their slots (quantizing when the cache
+    has scales); slot -1 is skipped."""
     if bool((slot_mapping < 0).any()):
         keep = slot_mapping >= 0
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    for rows, cache, scales in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+        if scales is not None:
+            rows, row_scales = quant.quantize(rows, cache.dtype)
+            scales.view(-1, scales.shape[-1]).index_copy_(0, slot_mapping, row_scales)
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, rows.to(cache.dtype))
 
 
-def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
-    """[B, max_blocks] block tables -> [B, kv_heads, length, head_dim] in `dtype`."""
-    batch, num_blocks = block_tables.shape
-    num_blocks = min(num_blocks, -(-length // cache.shape[1]))
-    blocks = cache[block_tables[:, :num_blocks]]                 # [B, nb, bs, kvh, d]
-    rows = blocks.view(batch, -1, *cache.shape[2:])[:, :length]  # [B, L, kvh, d]
+def gather_kv(cache: torch.Tensor, scales: torch.Tensor | None, block_tables: torch.Tensor, length: int,
+              dtype: torch.dtype) -> torch.Tensor:
+    """[B, max_blocks] block tables -> [B, kv_heads, length, head_dim] in `dtype`, dequantized."""
+    batch = block_tables.shape[0]
+    num_blocks = min(block_tables.shape[1], -(-length // cache.shape[1]))
+    tables = block_tables[:, :num_blocks]
+    rows = cache[tables].view(batch, -1, *cache.shape[2:])[:, :length]            # [B, L, kvh, d]
+    if scales is not None:
+        rows = quant.dequantize(rows, scales[tables].view(batch, -1, scales.shape[-1])[:, :length], dtype)
     return rows.transpose(1, 2).to(dtype)
 
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per request. query [B, heads, d]; context_lens [B] count the query token itself."""
     max_len = int(context_lens.max())
-    keys = gather_kv(k_cache, block_tables, max_len, query.dtype)
-    values = gather_kv(v_cache, block_tables, max_len, query.dtype)
+    keys = gather_kv(k_cache, k_scale, block_tables, max_len, query.dtype)
+    values = gather_kv(v_cache, v_scale, block_tables, max_len, query.dtype)
     mask = torch.arange(max_len, device=query.device)[None, :] < context_lens[:, None]
     out = F.scaled_dot_product_attention(query[:, :, None], keys, values, attn_mask=mask[:, None, None],
                                          scale=scale, enable_gqa=True)
@@ -41,12 +53,13 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            block_table: torch.Tensor, context_len: int, scale: float) -> torch.Tensor:
+                            block_table: torch.Tensor, context_len: int, scale: float,
+                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """A chunk of one request: query [n, heads, d] holds the last n positions of its `context_len` tokens;
     each attends to the cached prefix and causally within the chunk."""
     n = query.shape[0]
-    keys = gather_kv(k_cache, block_table[None], context_len, query.dtype)
-    values = gather_kv(v_cache, block_table[None], context_len, query.dtype)
+    keys = gather_kv(k_cache, k_scale, block_table[None], context_len, query.dtype)
+    values = gather_kv(v_cache, v_scale, block_table[None], context_len, query.dtype)
     q_pos = torch.arange(context_len - n, context_len, device=query.device)
     mask = torch.arange(context_len, device=query.device)[None, :] <= q_pos[:, None]
     out = F.scaled_dot_product_attention(query.transpose(0, 1)[None], keys, values, attn_mask=mask,

@@ -51,7 +51,9 @@ def test_bad_request_fails_alone(tiny_llm):
     assert "empty prompt" in outs[2].error and "token ids must be in" in outs[3].error
 
 
-def test_request_larger_than_pool(tiny_model):
-    llm = LLM(model=tiny_model[0], block_size=4, kv_cache_memory=512 * 16)
-    out = llm.generate([random_prompts([10])[0]], SamplingParams(max_tokens=20), use_tqdm=False)[0]
-    assert out.finish_reason == "error" and "raise kv_cache_memory" in out.error
+def test_pool_smaller_than_one_request_at_max_context(tiny_model):
+    # 512 bytes per token in float32: 64 tokens of pool against a context of 512.
+    with pytest.raises(ValueError, match=r"kv_cache_memory: .* holds 64 tokens .* less than one request at max "
+                                         r"context \(512 tokens.*lower max_model_len to at most 64"):
+        LLM(model=tiny_model[0], block_size=4, kv_cache_memory=512 * 64)
+    LLM(model=tiny_model[0], block_size=4, kv_cache_memory=512 * 64, max_model_len=64)

@@ -35,7 +35,7 @@ def test_chunked_prefill_small_budget(tiny_model):
 def test_forced_preemption_tiny_pool(tiny_model):
     path, model = tiny_model
     # 2 layers x 2 kv heads x 16 dims x 2 (K,V) x 4 bytes = 512 bytes per token; 48 tokens of pool.
-    llm = LLM(model=path, block_size=4, kv_cache_memory=512 * 48, max_num_batched_tokens=32)
+    llm = LLM(model=path, block_size=4, kv_cache_memory=512 * 48, max_num_batched_tokens=32, max_model_len=48)
     prompts = random_prompts([10, 12, 9, 14, 11, 8], seed=3)
     assert_matches(llm, model, prompts, max_tokens=20)
     assert llm.engine.stats.preemptions > 0

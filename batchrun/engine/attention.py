@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from batchrun.engine.kv_cache import LayerCache
 from batchrun.kernels import reference
 
 
@@ -31,21 +32,20 @@ class TorchAttentionBackend:
 
     name = "torch"
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: LayerCache,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """query [T, heads, d], key/value [T, kv_heads, d] -> [T, heads, d]."""
-        reference.write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
-        if not meta.prefills:
-            return reference.paged_decode_attention(query, k_cache, v_cache, meta.decode_block_tables,
-                                                    meta.decode_context_lens, scale)
+        k, v, k_scale, v_scale = cache
+        reference.write_kv_cache(key, value, k, v, meta.slot_mapping, k_scale, v_scale)
         out = torch.empty_like(query)
         if meta.num_decodes:
             out[:meta.num_decodes] = reference.paged_decode_attention(
-                query[:meta.num_decodes], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+                query[:meta.num_decodes], k, v, meta.decode_block_tables, meta.decode_context_lens, scale,
+                k_scale, v_scale)
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            out[rows] = reference.paged_prefill_attention(query[rows], k_cache, v_cache, chunk.block_table,
-                                                          chunk.context_len, scale)
+            out[rows] = reference.paged_prefill_attention(query[rows], k, v, chunk.block_table, chunk.context_len,
+                                                          scale, k_scale, v_scale)
         return out
 
 

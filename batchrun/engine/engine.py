@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 
 from batchrun.config import EngineConfig
-from batchrun.engine import loader
+from batchrun.engine import kv_cache, loader
 from batchrun.engine.attention import get_backend
 from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.model_runner import ModelRunner
@@ -23,6 +23,7 @@ from batchrun.sampling_params import SamplingParams
 log = logging.getLogger("batchrun")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DEFAULT_CPU_KV_BYTES = 2 * 2**30
 
 
 @dataclass
@@ -49,7 +50,7 @@ class Engine:
         self.hf_config = loader.load_config(self.model_path, config.trust_remote_code)
         self.tokenizer = loader.load_tokenizer(config.tokenizer or self.model_path, config.trust_remote_code)
         self.dtype = self._compute_dtype()
-        self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
+        self.kv_dtype = kv_cache.storage_dtype(config.kv_cache_dtype, self.dtype)
         self.max_model_len = self._max_model_len()
 
         with torch.device("meta"):
@@ -61,25 +62,59 @@ class Engine:
         self.model.eval()
 
         attn = self.model.model.layers[0].self_attn
-        self.kv_bytes_per_token = (2 * self.hf_config.num_hidden_layers * attn.num_kv_heads * attn.head_dim
-                                   * self.kv_dtype.itemsize)
-        num_blocks = config.kv_cache_bytes // (self.kv_bytes_per_token * config.block_size)
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory: {config.kv_cache_memory!r} holds no block of {config.block_size} "
-                             f"tokens ({self.kv_bytes_per_token * config.block_size} bytes needed)")
+        self.kv_bytes_per_token = kv_cache.bytes_per_token(self.hf_config.num_hidden_layers, attn.num_kv_heads,
+                                                           attn.head_dim, self.kv_dtype)
+        self.runner = ModelRunner(self.model, config.block_size, self.kv_dtype, self.device)
+        num_blocks = self._num_kv_blocks()
+        self.runner.allocate_kv(num_blocks)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, admission_key)
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.kv_dtype, self.device)
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = self._eos_token_ids()
         self.stats = StepStats(kv_blocks_free=num_blocks)
         self.requests: dict[str, Request] = {}
         self._rejected: list[Request] = []
         self._ids = itertools.count()
-        log.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB, %s, %d bytes/token",
-                 num_blocks, config.block_size, num_blocks * config.block_size,
-                 num_blocks * config.block_size * self.kv_bytes_per_token / 2**30,
-                 str(self.kv_dtype).removeprefix("torch."), self.kv_bytes_per_token)
+        tokens = num_blocks * config.block_size
+        log.info("KV cache: %d blocks x %d tokens = %d tokens, %.3f GiB, dtype %s, %d bytes/token, "
+                 "max concurrency %d at max context %d", num_blocks, config.block_size, tokens,
+                 tokens * self.kv_bytes_per_token / 2**30, config.kv_cache_dtype if config.kv_cache_dtype != "auto"
+                 else str(self.kv_dtype).removeprefix("torch."), self.kv_bytes_per_token,
+                 tokens // self.max_model_len, self.max_model_len)
+
+    def _num_kv_blocks(self) -> int:
+        """From kv_cache_memory; on CUDA without it, what the device has left after a profiled peak step."""
+        config = self.config
+        if config.kv_cache_bytes is None and self.device.type == "cuda":
+            budget, field = self._profile_cuda_budget(), "gpu_memory_utilization"
+        else:
+            budget, field = config.kv_cache_bytes or DEFAULT_CPU_KV_BYTES, "kv_cache_memory"
+        block_bytes = self.kv_bytes_per_token * config.block_size
+        num_blocks = budget // block_bytes
+        needed = -(-self.max_model_len // config.block_size)
+        if num_blocks < needed:
+            raise ValueError(
+                f"{field}: the KV budget of {budget / 2**20:.1f} MiB holds {num_blocks * config.block_size} tokens "
+                f"of {config.kv_cache_dtype} KV ({self.kv_bytes_per_token} bytes/token), less than one request at "
+                f"max context ({self.max_model_len} tokens, {needed * block_bytes / 2**20:.1f} MiB); raise {field} "
+                f"or lower max_model_len to at most {num_blocks * config.block_size}")
+        return num_blocks
+
+    def _profile_cuda_budget(self) -> int:
+        """total x utilisation - (weights + activations at the largest step) - memory of other processes."""
+        config = self.config
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.runner.dummy_forward(min(config.max_num_batched_tokens, self.max_model_len), config.max_num_seqs)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        others = total - free - torch.cuda.memory_reserved(self.device)
+        budget = int(total * config.gpu_memory_utilization - peak - others)
+        log.info("CUDA memory: total %.1f GiB, peak of weights + largest step %.2f GiB, other processes %.2f GiB, "
+                 "KV budget %.2f GiB at utilisation %.2f", total / 2**30, peak / 2**30, others / 2**30,
+                 budget / 2**30, config.gpu_memory_utilization)
+        return max(budget, 0)
 
     def _compute_dtype(self) -> torch.dtype:
         if self.config.dtype != "auto":
@@ -136,11 +171,7 @@ class Engine:
             return f"prompt: token ids must be in [0, {vocab})"
         if n >= self.max_model_len:
             return f"prompt: {n} tokens does not fit the context of {self.max_model_len} tokens (max_model_len)"
-        needed = self.block_manager.blocks_needed(min(n + request.params.max_tokens, self.max_model_len))
-        if needed > self.num_blocks:
-            return (f"prompt: {n} tokens + max_tokens {request.params.max_tokens} need {needed} KV blocks; "
-                    f"the pool has {self.num_blocks} (raise kv_cache_memory)")
-        return None
+        return None   # the pool holds one request at max context (checked at start-up): it always fits alone
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._rejected)

@@ -4,21 +4,41 @@ from __future__ import annotations
 import torch
 
 from batchrun.engine.attention import AttentionMetadata, PrefillChunk
+from batchrun.engine.kv_cache import KVPool
 from batchrun.engine.request import Request
 from batchrun.engine.scheduler import StepPlan
+from batchrun.sampling_params import SamplingParams
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int, kv_dtype: torch.dtype, device: torch.device):
-        attn = model.model.layers[0].self_attn
+    def __init__(self, model, block_size: int, kv_dtype: torch.dtype, device: torch.device):
         self.model = model
         self.block_size = block_size
+        self.kv_dtype = kv_dtype
         self.device = device
-        # One preallocated pool: [K/V, layer, block, slot in block, kv head, head dim].
-        self.kv_pool = torch.zeros(2, len(model.model.layers), num_blocks, block_size, attn.num_kv_heads,
-                                   attn.head_dim, dtype=kv_dtype, device=device)
-        for i, layer in enumerate(model.model.layers):
-            layer.self_attn.k_cache, layer.self_attn.v_cache = self.kv_pool[0, i], self.kv_pool[1, i]
+        self.kv_pool: KVPool | None = None
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        attn = self.model.model.layers[0].self_attn
+        self.kv_pool = None   # release the previous pool before allocating the new one
+        self.kv_pool = KVPool(len(self.model.model.layers), num_blocks, self.block_size, attn.num_kv_heads,
+                              attn.head_dim, self.kv_dtype, self.device)
+        for i, layer in enumerate(self.model.model.layers):
+            layer.self_attn.kv_cache = self.kv_pool.layer(i)
+
+    def dummy_forward(self, num_tokens: int, num_seqs: int) -> None:
+        """One forward at the largest step the scheduler may plan (for memory profiling), on a scratch pool."""
+        num_seqs = max(1, min(num_seqs, num_tokens))
+        per_seq = num_tokens // num_seqs
+        blocks_per_seq = -(-per_seq // self.block_size)
+        self.allocate_kv(num_seqs * blocks_per_seq)
+        plan = StepPlan()
+        for i in range(num_seqs):
+            request = Request(f"profile-{i}", [0] * per_seq, SamplingParams(max_tokens=1))
+            request.block_table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+            plan.scheduled.append((request, per_seq))
+        self.run(plan)
+        self.allocate_kv(0)
 
     def _slots(self, request: Request, start: int, end: int) -> list[int]:
         bs, table = self.block_size, request.block_table
