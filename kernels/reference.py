@@ -27,29 +27,43 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
         cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, rows.to(cache.dtype))
 
 
-def gather_kv(cache: torch.Tensor, scales: torch.Tensor | None, block_tables: torch.Tensor, length: int,
-              dtype: torch.dtype) -> torch.Tensor:
-    """[B, max_blocks] block tables -> [B, kv_heads, length, head_dim] in `dtype`, dequantized."""
+def _gather_rows(cache: torch.Tensor, scales: torch.Tensor | None, block_tables: torch.Tensor, length: int,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """[B, max_blocks] block tables -> [B, length, kv_heads, head_dim] in `dtype`, dequantized."""
     batch = block_tables.shape[0]
     num_blocks = min(block_tables.shape[1], -(-length // cache.shape[1]))
     tables = block_tables[:, :num_blocks]
-    rows = cache[tables].view(batch, -1, *cache.shape[2:])[:, :length]            # [B, L, kvh, d]
+    rows = cache[tables].view(batch, -1, *cache.shape[2:])[:, :length]
     if scales is not None:
-        rows = quant.dequantize(rows, scales[tables].view(batch, -1, scales.shape[-1])[:, :length], dtype)
-    return rows.transpose(1, 2).to(dtype)
+        return quant.dequantize(rows, scales[tables].view(batch, -1, scales.shape[-1])[:, :length], dtype)
+    return rows.to(dtype)
+
+
+def gather_kv(cache: torch.Tensor, scales: torch.Tensor | None, block_tables: torch.Tensor, length: int,
+              dtype: torch.dtype) -> torch.Tensor:
+    """[B, max_blocks] block tables -> [B, kv_heads, length, head_dim] in `dtype`, dequantized."""
+    return _gather_rows(cache, scales, block_tables, length, dtype).transpose(1, 2)
 
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                           max_len: int | None = None) -> torch.Tensor:
     """One query token per request. query [B, heads, d]; context_lens [B] count the query token itself."""
-    max_len = int(context_lens.max())
-    keys = gather_kv(k_cache, k_scale, block_tables, max_len, query.dtype)
-    values = gather_kv(v_cache, v_scale, block_tables, max_len, query.dtype)
-    mask = torch.arange(max_len, device=query.device)[None, :] < context_lens[:, None]
-    out = F.scaled_dot_product_attention(query[:, :, None], keys, values, attn_mask=mask[:, None, None],
-                                         scale=scale, enable_gqa=True)
-    return out[:, :, 0]
+    batch, heads, dim = query.shape
+    max_len = max_len or int(context_lens.max())
+    # Gathered rows stay [B, L, kv_heads, d]; each KV head's keys are a strided [B, L, d] view that batched
+    # matrix products read without another copy.
+    keys = _gather_rows(k_cache, k_scale, block_tables, max_len, query.dtype)
+    values = _gather_rows(v_cache, v_scale, block_tables, max_len, query.dtype)
+    kv_heads = keys.shape[2]
+    q = query.view(batch, kv_heads, heads // kv_heads, dim) * scale
+    pad = torch.arange(max_len, device=query.device)[None, None, :] >= context_lens[:, None, None]
+    out = torch.empty_like(q)
+    for h in range(kv_heads):
+        scores = torch.bmm(q[:, h], keys[:, :, h].transpose(1, 2)).masked_fill_(pad, float("-inf"))
+        torch.bmm(torch.softmax(scores, dim=-1), values[:, :, h], out=out[:, h])
+    return out.view(batch, heads, dim)
 
 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -60,8 +74,11 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     n = query.shape[0]
     keys = gather_kv(k_cache, k_scale, block_table[None], context_len, query.dtype)
     values = gather_kv(v_cache, v_scale, block_table[None], context_len, query.dtype)
-    q_pos = torch.arange(context_len - n, context_len, device=query.device)
-    mask = torch.arange(context_len, device=query.device)[None, :] <= q_pos[:, None]
-    out = F.scaled_dot_product_attention(query.transpose(0, 1)[None], keys, values, attn_mask=mask,
-                                         scale=scale, enable_gqa=True)
+    q = query.transpose(0, 1)[None]
+    if n == context_len:   # no cached prefix: plain causal attention, which skips the masked half
+        out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        q_pos = torch.arange(context_len - n, context_len, device=query.device)
+        mask = torch.arange(context_len, device=query.device)[None, :] <= q_pos[:, None]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)

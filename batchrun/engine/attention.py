@@ -18,17 +18,27 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    """Consecutive decode requests of similar context length, padded together to `max_len`."""
+    start: int
+    end: int
+    block_tables: torch.Tensor   # [end - start, max_blocks]
+    context_lens: torch.Tensor   # [end - start], the new token included
+    max_len: int
+
+
+@dataclass
 class AttentionMetadata:
     """Built once per step by the model runner; decode requests come first in the token dimension."""
     slot_mapping: torch.Tensor                 # [T] cache slot of each new token, -1 to skip
     num_decodes: int = 0
-    decode_block_tables: torch.Tensor | None = None   # [num_decodes, max_blocks]
-    decode_context_lens: torch.Tensor | None = None   # [num_decodes]
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
 class TorchAttentionBackend:
-    """Vectorised over decode requests; prefill chunks one request at a time (few per step)."""
+    """Vectorised over decode requests (in groups of similar length, so padding stays small); prefill chunks
+    one request at a time (few per step)."""
 
     name = "torch"
 
@@ -38,10 +48,10 @@ class TorchAttentionBackend:
         k, v, k_scale, v_scale = cache
         reference.write_kv_cache(key, value, k, v, meta.slot_mapping, k_scale, v_scale)
         out = torch.empty_like(query)
-        if meta.num_decodes:
-            out[:meta.num_decodes] = reference.paged_decode_attention(
-                query[:meta.num_decodes], k, v, meta.decode_block_tables, meta.decode_context_lens, scale,
-                k_scale, v_scale)
+        for group in meta.decode_groups:
+            out[group.start:group.end] = reference.paged_decode_attention(
+                query[group.start:group.end], k, v, group.block_tables, group.context_lens, scale, k_scale, v_scale,
+                group.max_len)
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             out[rows] = reference.paged_prefill_attention(query[rows], k, v, chunk.block_table, chunk.context_len,
