@@ -72,3 +72,63 @@ def generate(parquet, model, output, limit, prompt_column, id_column, max_tokens
                            "output_tokens": out_tokens, "wall_s": round(wall, 2),
                            "output_tokens_per_s": round(out_tokens / wall, 2), "preemptions": s.preemptions,
                            "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens}))
+
+
+_EXIT_HELP = ("Exit codes: 0 done; 3 done with failed rows; 2 invalid spec or input (nothing ran); "
+              "4 locked (the job is already running); 5 interrupted (submit again to resume); 1 unexpected error.")
+_SET = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+                    help="Override a field of the job file, e.g. --set input.limit=20 (repeatable).")
+
+
+def _fail(exc) -> None:
+    click.echo(f"batchrun: {exc}", err=True)
+    sys.exit(exc.exit_code)
+
+
+@main.command(help="Run JOB (a YAML job file) to completion, or resume it where it stopped.\n\n" + _EXIT_HELP)
+@click.argument("job", type=click.Path(dir_okay=False))
+@_SET
+@click.option("--restart", is_flag=True, help="Discard the results of a different job in the output directory.")
+@click.option("--progress", type=click.Choice(["auto", "bar", "log"]), default="auto", show_default=True,
+              help="auto: a bar on a terminal, log lines otherwise.")
+def submit(job, overrides, restart, progress) -> None:
+    from batchrun.job import Job, JobError
+    from batchrun.job.errors import EXIT_INTERRUPTED
+    try:
+        result = Job.from_yaml(job, list(overrides)).run(restart=restart, progress=progress)
+    except JobError as exc:
+        _fail(exc)
+    except KeyboardInterrupt:
+        click.echo("batchrun: interrupted; finished rows are saved, submit again to resume", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    s = result.summary
+    click.echo(json.dumps({k: s.get(k) for k in ("status", "rows_ok", "rows_failed", "rows_remaining",
+                                                 "output_tokens_per_s", "wall_s")} | {"output": result.output_dir}))
+    sys.exit(result.exit_code)
+
+
+@main.command(help="Check JOB's spec and input and print what would run, without loading the model.")
+@click.argument("job", type=click.Path(dir_okay=False))
+@_SET
+def validate(job, overrides) -> None:
+    from batchrun.job import Job, JobError
+    try:
+        report = Job.from_yaml(job, list(overrides)).validate()
+    except JobError as exc:
+        _fail(exc)
+    click.echo(json.dumps(report, indent=2))
+
+
+@main.command(help="Show JOB's progress from its output directory: done, failed, remaining.")
+@click.argument("job", type=click.Path(dir_okay=False))
+@_SET
+def status(job, overrides) -> None:
+    from batchrun.job import Job, JobError
+    try:
+        click.echo(json.dumps(Job.from_yaml(job, list(overrides)).status(), indent=2))
+    except JobError as exc:
+        _fail(exc)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Length bucketing: rows are read in windows and, inside a window, admitted shortest prompt first.
+
+Requests admitted together then have similar lengths, so prefill chunks and decode attention groups are
+even. Only a window's token ids are in memory; a window as large as the input sorts the whole input.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable, Iterable, Iterator
+
+from batchrun.job.source import Row
+
+
+class RowFeed:
+    def __init__(self, batches: Iterable[list[Row]], prepare: Callable[[list[Row]], None], window: int,
+                 bucketing: bool, skip: set[int]):
+        self._batches: Iterator[list[Row]] = iter(batches)
+        self.prepare, self.window, self.bucketing, self.skip = prepare, window, bucketing, skip
+        self.queue: deque[tuple[tuple, Row]] = deque()   # (order_key, row), in admission order
+        self.failed: list[Row] = []                     # rows that failed before the engine: write them as they are
+        self.window_index = 0
+        self.exhausted = False
+
+    def next(self) -> tuple[tuple, Row] | None:
+        """The next row to admit and its order key, or None when the input is used up."""
+        while not self.queue and not self.exhausted:
+            self._fill()
+        return self.queue.popleft() if self.queue else None
+
+    def _fill(self) -> None:
+        rows: list[Row] = []
+        while len(rows) < self.window:
+            batch = next(self._batches, None)
+            if batch is None:
+                self.exhausted = True
+                break
+            batch = [r for r in batch if r.index not in self.skip]
+            self.prepare(batch)
+            for row in batch:
+                (self.failed if row.error else rows).append(row)
+        if self.bucketing:
+            rows.sort(key=lambda r: len(r.token_ids))
+            self.queue.extend(((self.window_index, rank), row) for rank, row in enumerate(rows))
+        else:
+            self.queue.extend(((), row) for row in rows)
+        self.window_index += 1

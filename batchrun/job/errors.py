@@ -1,0 +1,21 @@
+"""Exit codes of `batchrun submit` and the error that carries one."""
+from __future__ import annotations
+
+EXIT_OK = 0            # every row done, status "ok"
+EXIT_ERROR = 1         # an unexpected failure (a traceback follows)
+EXIT_INVALID = 2       # invalid spec or input, unwritable output, changed spec: nothing ran
+EXIT_FAILED_ROWS = 3   # done, but some rows have status "error"
+EXIT_LOCKED = 4        # another submit of the same job holds the lock
+EXIT_INTERRUPTED = 5   # stopped by SIGTERM/SIGINT; finished rows are saved, submit again to resume
+
+EXIT_CODES = {EXIT_OK: "done", EXIT_ERROR: "unexpected error", EXIT_INVALID: "invalid spec or input",
+              EXIT_FAILED_ROWS: "done with failed rows", EXIT_LOCKED: "locked by another submit",
+              EXIT_INTERRUPTED: "interrupted (submit again to resume)"}
+
+
+class JobError(Exception):
+    """A failure the user can fix; the message names the field, file, column or line."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_INVALID):
+        super().__init__(message)
+        self.exit_code = exit_code

@@ -1,0 +1,130 @@
+"""OpenAI Batch API files: requests JSONL in (as job rows), results JSONL out, so client code keeps working.
+
+A request line: {"custom_id": "...", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
+"body": {"model": ..., "messages": [...] | "prompt": "...", "max_tokens", "temperature", "top_p", "seed", "stop"}}.
+A malformed line fails alone: its row gets status "error" and the reason.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Iterator
+
+import pyarrow as pa
+
+from batchrun.job.errors import JobError
+from batchrun.job.source import Row, input_files
+from batchrun.job.spec import JobSpec
+
+URLS = ("/v1/chat/completions", "/v1/completions")
+BODY_PARAMS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
+               "top_p": "top_p", "seed": "seed", "stop": "stop"}
+
+
+class OpenAIBatchSource:
+    id_type = pa.string()
+
+    def __init__(self, spec: JobSpec):
+        self.spec, self.inp = spec, spec.data["input"]
+        self.files = input_files(spec)
+        if self.inp["passthrough"]:
+            raise spec.fail(("input", "passthrough"), "is not supported for OpenAI batch input")
+        for path in self.files:
+            if not os.access(path, os.R_OK) or os.path.isdir(path):
+                raise JobError(f"{path}: cannot read the OpenAI batch file (input.path)")
+
+    def passthrough_schema(self) -> list[pa.Field]:
+        return [pa.field("url", pa.string())]
+
+    def _lines(self) -> Iterator[tuple[str, int, str]]:
+        left = self.inp["limit"]
+        for path in self.files:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                for number, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    if left is not None:
+                        if left == 0:
+                            return
+                        left -= 1
+                    yield path, number, line
+
+    def scan_ids(self) -> Iterator[Any]:
+        for path, number, line in self._lines():
+            yield _parse(path, number, line)[0]
+
+    def batches(self, batch_size: int = 1024) -> Iterator[list[Row]]:
+        rows: list[Row] = []
+        for index, (path, number, line) in enumerate(self._lines()):
+            custom_id, request, error = _parse(path, number, line)
+            row = Row(index, custom_id, passthrough={"url": (request or {}).get("url")}, error=error)
+            if error is None:
+                body = request["body"]
+                row.prompt = body.get("messages") if request["url"] == URLS[0] else body.get("prompt")
+                row.params = {p: body[k] for k, p in BODY_PARAMS.items() if body.get(k) is not None}
+            rows.append(row)
+            if len(rows) == batch_size:
+                yield rows
+                rows = []
+        if rows:
+            yield rows
+
+
+def _parse(path: str, number: int, line: str) -> tuple[str, dict | None, str | None]:
+    """(custom_id, request, error); a line without a usable custom_id is named after its line."""
+    where = f"{os.path.basename(path)} line {number}"
+    try:
+        request = json.loads(line)
+    except json.JSONDecodeError as exc:
+        return f"line-{number}", None, f"{where}: not valid JSON ({exc.msg} at column {exc.colno})"
+    if not isinstance(request, dict):
+        return f"line-{number}", None, f"{where}: expected a JSON object"
+    custom_id = request.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        return f"line-{number}", None, f"{where}: custom_id must be a non-empty string"
+    body, url = request.get("body"), request.get("url")
+    if url not in URLS:
+        return custom_id, None, f"{where}: url {url!r} is not supported; use one of {', '.join(URLS)}"
+    if not isinstance(body, dict):
+        return custom_id, None, f"{where}: body must be a JSON object"
+    key = "messages" if url == URLS[0] else "prompt"
+    value = body.get(key)
+    if url == URLS[0] and not (isinstance(value, list) and value and all(
+            isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m for m in value)):
+        return custom_id, None, f"{where}: body.messages must be a list of {{role, content}} objects"
+    if url == URLS[1] and not isinstance(value, str):
+        return custom_id, None, f"{where}: body.prompt must be a string"
+    if body.get("n", 1) != 1:
+        return custom_id, None, f"{where}: body.n must be 1 (one completion per request)"
+    return custom_id, request, None
+
+
+def write_output(table: pa.Table, path: str, model: str) -> None:
+    """Results as OpenAI batch output JSONL, in input order; written to a temporary name, then renamed."""
+    tmp = path + ".tmp"
+    created = int(time.time())
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in table.sort_by("row_index").to_pylist():
+            line = {"id": f"batch_req_{r['row_index']}", "custom_id": r["id"], "response": None, "error": None}
+            if r["status"] == "ok":
+                line["response"] = {"status_code": 200, "request_id": f"req_{r['row_index']}",
+                                    "body": _body(r, model, created)}
+            else:
+                line["error"] = {"code": "invalid_request", "message": r["error"]}
+            f.write(json.dumps(line, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
+def _body(r: dict, model: str, created: int) -> dict:
+    chat = r.get("url") == URLS[0]
+    choice = {"index": 0, "finish_reason": r["finish_reason"], "logprobs": None}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": r["text"]}
+    else:
+        choice["text"] = r["text"]
+    usage = {"prompt_tokens": r["prompt_tokens"], "completion_tokens": r["completion_tokens"],
+             "total_tokens": r["prompt_tokens"] + r["completion_tokens"]}
+    return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{r['row_index']}",
+            "object": "chat.completion" if chat else "text_completion", "created": created, "model": model,
+            "choices": [choice], "usage": usage}

@@ -1,0 +1,97 @@
+"""Checks that run before any model loads, shared by `submit` and `validate`."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+
+from batchrun.job.errors import JobError
+from batchrun.job.openai_batch import OpenAIBatchSource
+from batchrun.job.report import read_state, write_atomic
+from batchrun.job.source import ParquetSource, fingerprint
+from batchrun.job.spec import IDENTITY, JobSpec
+
+OUTPUT_FILES = ("data", "job.json", "summary.json", "metrics.prom", "job.log", "output.jsonl")
+
+
+def open_source(spec: JobSpec) -> ParquetSource | OpenAIBatchSource:
+    if spec.data["input"]["format"] == "openai_batch":
+        return OpenAIBatchSource(spec)
+    return ParquetSource(spec)
+
+
+def count_rows(spec: JobSpec, source) -> int:
+    """Input rows (ids only are read); duplicate ids refuse the job unless input.allow_duplicate_ids."""
+    seen, dupes, n = set(), [], 0
+    check = not spec.data["input"]["allow_duplicate_ids"]
+    for value in source.scan_ids():
+        n += 1
+        if check and value is not None:
+            if value in seen and len(dupes) < 5 and value not in dupes:
+                dupes.append(value)
+            seen.add(value)
+    if dupes:
+        raise JobError(f"{spec.where('input', 'id_column')}: duplicate ids in the input, first: "
+                       f"{', '.join(map(repr, dupes))}; make ids unique or set input.allow_duplicate_ids: true")
+    if n == 0:
+        raise spec.fail(("input", "path"), "the input has no rows")
+    return n
+
+
+def output_dir(spec: JobSpec) -> str:
+    """The output directory, created and proven writable."""
+    path = spec.resolve(spec.data["output"]["path"])
+    probe = os.path.join(path, f".write-test-{os.getpid()}")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as exc:
+        raise spec.fail(("output", "path"), f"cannot write to {path} ({exc.strerror})") from exc
+    return path
+
+
+def job_state(spec: JobSpec, files: list[str], rows: int) -> dict:
+    ident = {k: spec.data[k] for k in IDENTITY}
+    inputs = [list(f) for f in fingerprint(files)]   # as it reads back from job.json
+    digest = hashlib.sha256(json.dumps([spec.identity(), inputs]).encode()).hexdigest()[:16]
+    return {"identity": digest, "spec": ident, "inputs": inputs, "rows": rows, "job_file": os.path.abspath(spec.path)}
+
+
+def conflict(out_dir: str, state: dict) -> str | None:
+    """What differs between the job that wrote out_dir and this one, or None when it is the same job."""
+    old = read_state(out_dir)
+    return None if old is None or old["identity"] == state["identity"] else _diff(old, state)
+
+
+def claim_output(spec: JobSpec, out_dir: str, state: dict, restart: bool) -> None:
+    """Refuse a changed spec or input over an existing output unless restart (which clears the old results)."""
+    changed = conflict(out_dir, state)
+    if changed and not restart:
+        raise spec.fail(("output", "path"), f"{out_dir} holds results of a different job ({changed}); "
+                                            f"use another output.path, or --restart to discard them")
+    if restart:
+        for name in OUTPUT_FILES:
+            path = os.path.join(out_dir, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            elif os.path.exists(path):
+                os.remove(path)
+    if restart or read_state(out_dir) is None:
+        write_atomic(os.path.join(out_dir, "job.json"), json.dumps(state, indent=2) + "\n")
+
+
+def _diff(old: dict, new: dict) -> str:
+    changes = []
+    for section in IDENTITY:
+        a, b = old["spec"].get(section), new["spec"].get(section)
+        if isinstance(a, dict) and isinstance(b, dict):
+            changes += [f"{section}.{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
+                        if a.get(k) != b.get(k)]
+        elif a != b:
+            changes.append(f"{section}: {a!r} -> {b!r}")
+    if not changes and old["inputs"] != new["inputs"]:
+        changes.append("the input files changed (size or modification time)")
+    return "; ".join(changes[:3]) or "different identity"

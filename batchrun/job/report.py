@@ -1,0 +1,79 @@
+"""What a job has done, from its output directory: counts for `status`, summary.json, a Prometheus textfile."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pyarrow.compute as pc
+
+from batchrun.job.sink import ShardStore
+
+
+def write_atomic(path: str, text: str) -> None:
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def read_state(out_dir: str) -> dict | None:
+    try:
+        with open(os.path.join(out_dir, "job.json")) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
+def counts(out_dir: str) -> dict:
+    """Rows done (ok / failed), tokens in and out, remaining, read from the committed shards."""
+    state = read_state(out_dir) or {}
+    table = ShardStore(out_dir).read(["status", "prompt_tokens", "completion_tokens"])
+    total = state.get("rows")
+    if table is None:
+        c = {"rows_done": 0, "rows_ok": 0, "rows_failed": 0, "prompt_tokens": 0, "completion_tokens": 0}
+    else:
+        failed = int(pc.sum(pc.equal(table["status"], "error")).as_py() or 0)
+        c = {"rows_done": table.num_rows, "rows_ok": table.num_rows - failed, "rows_failed": failed,
+             "prompt_tokens": int(pc.sum(table["prompt_tokens"]).as_py() or 0),
+             "completion_tokens": int(pc.sum(table["completion_tokens"]).as_py() or 0)}
+    c["rows_total"] = total
+    c["rows_remaining"] = None if total is None else total - c["rows_done"]
+    return c
+
+
+def write_summary(out_dir: str, name: str, run: dict) -> dict:
+    """summary.json (totals over all runs plus this run's speed and KV figures) and metrics.prom."""
+    summary = {"job": name, **counts(out_dir), **run, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    write_atomic(os.path.join(out_dir, "summary.json"), json.dumps(summary, indent=2) + "\n")
+    write_atomic(os.path.join(out_dir, "metrics.prom"), prometheus(summary))
+    return summary
+
+
+def prometheus(s: dict) -> str:
+    """Textfile-collector format; node_exporter reads *.prom, so copy or link it into its directory."""
+    job = s["job"].replace("\\", "\\\\").replace('"', '\\"')
+    metrics = [
+        ("batchrun_job_rows", "gauge", "Rows in the output by status.",
+         [({"status": "ok"}, s["rows_ok"]), ({"status": "error"}, s["rows_failed"])]),
+        ("batchrun_job_rows_remaining", "gauge", "Input rows not yet in the output.", [({}, s["rows_remaining"])]),
+        ("batchrun_job_prompt_tokens", "gauge", "Prompt tokens of all output rows.", [({}, s["prompt_tokens"])]),
+        ("batchrun_job_completion_tokens", "gauge", "Generated tokens of all output rows.",
+         [({}, s["completion_tokens"])]),
+        ("batchrun_job_run_wall_seconds", "gauge", "Wall time of the last run.", [({}, s["wall_s"])]),
+        ("batchrun_job_run_output_tokens_per_second", "gauge", "Generated tokens per second in the last run.",
+         [({}, s["output_tokens_per_s"])]),
+        ("batchrun_job_run_preemptions", "gauge", "KV preemptions in the last run.", [({}, s["preemptions"])]),
+        ("batchrun_job_run_kv_blocks_peak", "gauge", "Most KV blocks in use at once in the last run.",
+         [({}, s["kv_blocks_peak"])]),
+        ("batchrun_job_exit_code", "gauge", "Exit code of the last run (see batchrun submit --help).",
+         [({}, s["exit_code"])]),
+        ("batchrun_job_last_run_timestamp_seconds", "gauge", "When the last run ended.", [({}, time.time())]),
+    ]
+    lines = []
+    for name, kind, help_text, samples in metrics:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+        for labels, value in samples:
+            label_text = ",".join([f'job="{job}"', *(f'{k}="{v}"' for k, v in labels.items())])
+            lines.append(f"{name}{{{label_text}}} {float('nan') if value is None else value}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,171 @@
+"""`batchrun submit`: check everything, take the lock, load the model, stream rows through the engine, save.
+
+Rows are fed incrementally (at most max_num_seqs + max_waiting in the engine), so memory stays bounded
+however large the input. SIGTERM/SIGINT stop admission, save finished rows and exit with EXIT_INTERRUPTED.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+from batchrun.job import prepare
+from batchrun.job.bucketing import RowFeed
+from batchrun.job.errors import EXIT_FAILED_ROWS, EXIT_INTERRUPTED, EXIT_OK, JobError
+from batchrun.job.progress import Progress
+from batchrun.job.prompts import PromptEncoder
+from batchrun.job.report import counts, write_summary
+from batchrun.job.sink import JobLock, ResultSink, result_schema
+from batchrun.job.source import Row
+from batchrun.job.spec import JobSpec
+
+log = logging.getLogger("batchrun.job")
+
+
+def _record(row: Row, out=None) -> dict:
+    ok = out is not None and out.finish_reason != "error"
+    return {"id": row.id, "text": out.text if ok else None, "finish_reason": out.finish_reason if out else "error",
+            "prompt_tokens": out.prompt_tokens if out else len(row.token_ids or []),
+            "completion_tokens": len(out.token_ids) if ok else 0, "status": "ok" if ok else "error",
+            "error": None if ok else (row.error or out.error), "latency": out.latency if out else None,
+            "time_to_first_token": out.time_to_first_token if out else None,
+            "cached_tokens": out.cached_tokens if out else 0, "row_index": row.index, **row.passthrough}
+
+
+class JobRunner:
+    def __init__(self, spec: JobSpec, restart: bool = False, progress: str = "auto"):
+        self.spec, self.restart = spec, restart
+        self.tty = sys.stderr.isatty() if progress == "auto" else progress == "bar"
+        self.stop_reason: str | None = None
+
+    def run(self) -> tuple[str, dict]:
+        """(output directory, summary). Raises JobError before any work for a bad spec, input or output."""
+        spec = self.spec
+        source = prepare.open_source(spec)
+        out_dir = prepare.output_dir(spec)
+        with JobLock(out_dir):
+            total = prepare.count_rows(spec, source)
+            prepare.claim_output(spec, out_dir, prepare.job_state(spec, source.files, total), self.restart)
+            out = spec.data["output"]
+            sink = ResultSink(out_dir, result_schema(source.id_type, source.passthrough_schema()),
+                              out["shard_rows"], out["flush_every_s"])
+            done = sink.store.done_indices()
+            handlers = self._log_to(out_dir)
+            try:
+                log.info("job %s: %d rows, %d already done, output %s", self._name(), total, len(done), out_dir)
+                run = self._generate(source, sink, done, total) if len(done) < total else {}
+                return out_dir, self._finish(out_dir, sink, run, source)
+            finally:
+                for handler in handlers:
+                    log.removeHandler(handler)
+                    handler.close()
+
+    def _name(self) -> str:
+        return self.spec.data["name"] or os.path.splitext(os.path.basename(self.spec.path))[0]
+
+    def _log_to(self, out_dir: str) -> list[logging.Handler]:
+        """job.log in the output directory always; stderr too when there is no progress bar."""
+        handlers = [logging.FileHandler(os.path.join(out_dir, "job.log"))]
+        if not self.tty:
+            handlers.append(logging.StreamHandler(sys.stderr))
+        for handler in handlers:
+            handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+            log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+        return handlers
+
+    def _generate(self, source, sink: ResultSink, done: set[int], total: int) -> dict:
+        from batchrun import LLM
+        spec = self.spec
+        try:
+            llm = LLM(model=spec.data["model"], **spec.engine_options)
+        except ValueError as exc:   # e.g. a KV budget too small for one request at max context
+            raise JobError(f"{spec.path}: engine: {exc}") from exc
+        engine, batching = llm.engine, spec.data["batching"]
+        encoder = PromptEncoder(spec, llm.tokenizer, engine.max_model_len)
+        params: dict = {}
+
+        def prepare_rows(rows: list[Row]) -> None:
+            params.update(encoder.prepare(rows))
+
+        feed = RowFeed(source.batches(min(1024, batching["window"])), prepare_rows, batching["window"],
+                       batching["bucketing"], done)
+        in_flight_cap = engine.config.max_num_seqs + (batching["max_waiting"] or 4 * engine.config.max_num_seqs)
+        inflight: dict[str, Row] = {}
+        progress = Progress(total, len(done), self.tty, spec.data["output"]["log_every_s"], self._name())
+        start, kv_peak = time.perf_counter(), 0
+        with self._signals():
+            while self.stop_reason is None:
+                while len(inflight) < in_flight_cap and (item := feed.next()) is not None:
+                    order_key, row = item
+                    inflight[str(row.index)] = row
+                    engine.add_request(row.token_ids, params.pop(row.index), request_id=str(row.index),
+                                       lane=spec.data["engine"]["lane"], order_key=order_key)
+                for row in feed.failed:
+                    sink.add(_record(row))
+                    progress.row(failed=True, tokens=0)
+                feed.failed.clear()
+                if not inflight:
+                    break
+                for out in engine.step():
+                    if out.finished:
+                        sink.add(_record(inflight.pop(out.request_id), out))
+                        progress.row(failed=out.finish_reason == "error", tokens=len(out.token_ids))
+                kv_peak = max(kv_peak, engine.stats.kv_blocks_used)
+                progress.tick(engine)
+        sink.flush()
+        progress.close()
+        wall = time.perf_counter() - start
+        s = engine.stats
+        if self.stop_reason:
+            log.warning("stopped by %s: %d rows saved this run, %d left in flight will run on the next submit",
+                        self.stop_reason, sink.rows_written, len(inflight))
+        return {"rows_this_run": sink.rows_written, "wall_s": round(wall, 3),
+                "output_tokens_this_run": progress.tokens,
+                "output_tokens_per_s": round(progress.tokens / max(wall, 1e-9), 2),
+                "prompt_tokens_processed": s.prompt_tokens, "preemptions": s.preemptions,
+                "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens, "kv_blocks_peak": kv_peak,
+                "kv_blocks_total": engine.num_blocks, "kv_block_size": engine.config.block_size,
+                "kv_bytes_per_token": engine.kv_bytes_per_token, "bucketing": batching["bucketing"]}
+
+    def _finish(self, out_dir: str, sink: ResultSink, run: dict, source) -> dict:
+        out = self.spec.data["output"]
+        if not self.stop_reason:
+            if out["order"] == "input":
+                sink.sort_by_input()
+            if out["openai_batch"]:
+                from batchrun.job.openai_batch import write_output
+                write_output(sink.store.read(), os.path.join(out_dir, "output.jsonl"), self.spec.data["model"])
+        failed = counts(out_dir)["rows_failed"]
+        code = EXIT_INTERRUPTED if self.stop_reason else EXIT_FAILED_ROWS if failed else EXIT_OK
+        run = {"rows_this_run": 0, "wall_s": 0.0, "output_tokens_this_run": 0, "output_tokens_per_s": 0.0,
+               "preemptions": 0, "kv_blocks_peak": 0, **run, "exit_code": code,
+               "status": "interrupted" if self.stop_reason else "done"}
+        summary = write_summary(out_dir, self._name(), run)
+        log.info("job %s: %s, %d ok, %d failed, %s remaining; summary in %s", self._name(), run["status"],
+                 summary["rows_ok"], summary["rows_failed"], summary["rows_remaining"], out_dir)
+        return summary
+
+    def _signals(self):
+        runner = self
+
+        class Handlers:
+            def __enter__(self):
+                self.saved = {}
+                if threading.current_thread() is threading.main_thread():
+                    for sig in (signal.SIGTERM, signal.SIGINT):
+                        self.saved[sig] = signal.signal(sig, self.handle)
+
+            def handle(self, signum, frame):
+                if runner.stop_reason is not None:
+                    raise KeyboardInterrupt   # a second signal: stop now (saved shards stay valid)
+                runner.stop_reason = signal.Signals(signum).name
+
+            def __exit__(self, *exc):
+                for sig, old in self.saved.items():
+                    signal.signal(sig, old)
+        return Handlers()

@@ -1,0 +1,161 @@
+"""Input rows, streamed: Parquet record batches (here) or OpenAI batch JSONL (openai_batch.py).
+
+Schema problems (missing file, corrupt Parquet, missing column, wrong type) fail the job before any work;
+problems of one row (null prompt, bad parameter) become that row's error.
+"""
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchrun.job.errors import JobError
+from batchrun.job.spec import JobSpec
+
+ROW_PARAM_COLUMNS = {"max_tokens_column": "max_tokens", "temperature_column": "temperature",
+                     "top_p_column": "top_p", "seed_column": "seed"}
+_INTEGER, _NUMBER = "an integer", "a number"
+_KINDS = {"max_tokens_column": _INTEGER, "seed_column": _INTEGER, "temperature_column": _NUMBER,
+          "top_p_column": _NUMBER}
+
+
+@dataclass
+class Row:
+    index: int                               # position in the input: the row's identity in the output
+    id: Any
+    prompt: str | list | None = None         # text or chat messages
+    params: dict = field(default_factory=dict)   # per-row sampling overrides
+    passthrough: dict = field(default_factory=dict)
+    error: str | None = None
+    token_ids: list[int] | None = None
+
+
+def input_files(spec: JobSpec) -> list[str]:
+    """The input path as a file, a directory (its *.parquet / *.jsonl, sorted) or a glob."""
+    path = spec.resolve(spec.data["input"]["path"])
+    if os.path.isdir(path):
+        ext = ".jsonl" if spec.data["input"]["format"] == "openai_batch" else ".parquet"
+        files = sorted(glob.glob(os.path.join(path, "**", f"*{ext}"), recursive=True))
+    elif glob.has_magic(path):
+        files = sorted(glob.glob(path, recursive=True))
+    else:
+        files = [path] if os.path.exists(path) else []
+    if not files:
+        raise spec.fail(("input", "path"), f"no input file at {path}")
+    return files
+
+
+def fingerprint(files: list[str]) -> list[tuple]:
+    return [(os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files]
+
+
+class ParquetSource:
+    def __init__(self, spec: JobSpec):
+        self.spec, self.inp = spec, spec.data["input"]
+        self.files = input_files(spec)
+        self.id_type = None
+        for path in self.files:
+            self._check_schema(path)
+
+    def _open(self, path: str) -> pq.ParquetFile:
+        try:
+            return pq.ParquetFile(path)
+        except (OSError, pa.ArrowException) as exc:
+            raise JobError(f"{path}: not a readable Parquet file ({exc}); check input.path") from exc
+
+    def _check_schema(self, path: str) -> None:
+        schema = self._open(path).schema_arrow
+        inp = self.inp
+
+        def need(key: str, column: str, ok=None, kind: str = ""):
+            if column not in schema.names:
+                raise JobError(f"{path}: no column {column!r} (input.{key}); columns: {', '.join(schema.names)}")
+            t = schema.field(column).type
+            if ok and not ok(t):
+                raise JobError(f"{path}: column {column!r} (input.{key}) must hold {kind}, but its type is {t}")
+            return t
+
+        id_type = need("id_column", inp["id_column"], lambda t: pa.types.is_string(t) or pa.types.is_large_string(t)
+                       or pa.types.is_integer(t), "strings or integers")
+        if self.id_type is not None and id_type != self.id_type:
+            raise JobError(f"{path}: column {inp['id_column']!r} has type {id_type}, but {self.files[0]} has "
+                           f"{self.id_type}; all input files must agree")
+        self.id_type = id_type
+        if inp["prompt_column"]:
+            need("prompt_column", inp["prompt_column"], _is_text, "text (string)")
+        if inp["messages_column"]:
+            need("messages_column", inp["messages_column"], _is_messages,
+                 "chat messages (a list of structs with string fields role and content)")
+        for column in inp.get("template_columns", []):
+            need("template", column)
+        for key, kind in _KINDS.items():
+            if inp[key]:
+                need(key, inp[key], pa.types.is_integer if kind == _INTEGER else
+                     lambda t: pa.types.is_integer(t) or pa.types.is_floating(t), f"{kind}s")
+        for column in inp["passthrough"]:
+            need("passthrough", column)
+
+    def passthrough_schema(self) -> list[pa.Field]:
+        schema = self._open(self.files[0]).schema_arrow
+        return [schema.field(c) for c in self.inp["passthrough"]]
+
+    def scan_ids(self) -> Iterator[Any]:
+        """Every id in input order (only the id column is read), up to input.limit."""
+        left = self.inp["limit"]
+        for path in self.files:
+            for batch in self._open(path).iter_batches(columns=[self.inp["id_column"]], batch_size=65536):
+                ids = batch.column(0).to_pylist()
+                for value in ids[:left] if left is not None else ids:
+                    yield value
+                if left is not None:
+                    left -= min(left, len(ids))
+                    if left == 0:
+                        return
+
+    def batches(self, batch_size: int = 1024) -> Iterator[list[Row]]:
+        """Rows in input order, one record batch at a time (only the columns the job uses are read)."""
+        inp = self.inp
+        columns = [inp["id_column"], inp["prompt_column"], inp["messages_column"], *inp.get("template_columns", []),
+                   *(inp[k] for k in ROW_PARAM_COLUMNS), *inp["passthrough"]]
+        columns = list(dict.fromkeys(c for c in columns if c))
+        index, left = 0, inp["limit"]
+        for path in self.files:
+            for batch in self._open(path).iter_batches(columns=columns, batch_size=batch_size):
+                records = batch.to_pylist()
+                if left is not None:
+                    records, left = records[:left], left - min(left, len(records))
+                yield [self._row(index + i, r) for i, r in enumerate(records)]
+                index += len(records)
+                if left == 0:
+                    return
+
+    def _row(self, index: int, r: dict) -> Row:
+        inp = self.inp
+        row = Row(index, r[inp["id_column"]], passthrough={c: r[c] for c in inp["passthrough"]})
+        row.params = {param: r[inp[key]] for key, param in ROW_PARAM_COLUMNS.items() if inp[key]}
+        if row.id is None:
+            row.error = f"input: null id in column {inp['id_column']!r}"
+        elif inp["template"]:
+            missing = [c for c in inp["template_columns"] if r[c] is None]
+            if missing:
+                row.error = f"prompt: template column {missing[0]!r} is null"
+            else:
+                row.prompt = inp["template"].format_map(r)
+        else:
+            row.prompt = r[inp["messages_column"] or inp["prompt_column"]]
+        return row
+
+
+def _is_text(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
+def _is_messages(t: pa.DataType) -> bool:
+    if not (pa.types.is_list(t) or pa.types.is_large_list(t)) or not pa.types.is_struct(t.value_type):
+        return False
+    names = {t.value_type.field(i).name: t.value_type.field(i).type for i in range(t.value_type.num_fields)}
+    return all(k in names and _is_text(names[k]) for k in ("role", "content"))
