@@ -27,8 +27,8 @@ def _quantize_row(x, QUANT: tl.constexpr, QMAX: tl.constexpr, TINY: tl.constexpr
     """x [BLOCK_D] float32 (zeros past head_dim) -> (codes as float32, scale)."""
     row_scale = tl.maximum(tl.max(tl.abs(x), axis=0) / QMAX, TINY)
     scaled = x / row_scale
-    if QUANT == 1:   # round half away from zero (torch rounds ties to even: they differ only on exact ties)
-        scaled = tl.where(scaled >= 0, tl.floor(scaled + 0.5), tl.ceil(scaled - 0.5))
+    if QUANT == 1:
+        scaled = _round_half_even(scaled)   # as torch.round
     scaled = tl.minimum(tl.maximum(scaled, -QMAX), QMAX)
     if QUANT == 2:
         scaled = _round_to_e4m3(scaled)
@@ -42,12 +42,15 @@ def _round_to_e4m3(x):
     exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     exponent = tl.maximum(exponent, -6)                                # e4m3 subnormals: fixed step 2^-9
     step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)   # 3 mantissa bits
-    q = x / step                                                       # exact: step is a power of two
-    low = tl.floor(q)
-    frac = q - low
+    return _round_half_even(x / step) * step                           # exact: step is a power of two
+
+
+@triton.jit
+def _round_half_even(x):
+    low = tl.floor(x)
+    frac = x - low
     odd = (low - 2.0 * tl.floor(low * 0.5)) != 0.0
-    up = (frac > 0.5) | ((frac == 0.5) & odd)
-    return tl.where(up, low + 1.0, low) * step
+    return tl.where((frac > 0.5) | ((frac == 0.5) & odd), low + 1.0, low)
 
 
 @triton.jit

@@ -219,14 +219,14 @@ def choose_num_splits(batch: int, kv_heads: int, max_len: int, num_sms: int) -> 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                           max_len: int | None = None, num_splits: int | None = None, block_n: int | None = None,
-                           num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                           max_len: int | None = None, num_splits: int | None = None, out: torch.Tensor | None = None,
+                           block_n: int | None = None, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """query [B, heads, d]; block_tables [B, max_blocks]; context_lens [B], the query token included -> [B, heads, d].
     num_splits None: chosen from the batch and max_len (max_len None reads context_lens, a device sync)."""
     mode = _check_cache(query, k_cache, v_cache, k_scale, v_scale)
     batch, heads, head_dim = query.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    out = torch.empty_like(query)
+    out = torch.empty_like(query) if out is None else out
     if batch == 0:
         return out
     if num_splits is None:
