@@ -59,7 +59,11 @@ class TorchAttentionBackend:
         return out
 
 
-def get_backend(name: str, device: torch.device) -> TorchAttentionBackend:
+def get_backend(name: str, device: torch.device):
+    """auto: triton on CUDA, torch elsewhere; "triton" on CPU runs only under TRITON_INTERPRET=1 (tests)."""
+    if name == "triton" or (name == "auto" and device.type == "cuda"):
+        from batchrun.engine.triton_backend import TritonAttentionBackend
+        return TritonAttentionBackend(device)
     if name in ("auto", "torch"):
         return TorchAttentionBackend()
-    raise ValueError(f"attention_backend: {name!r} is not available; allowed: auto, torch")
+    raise ValueError(f"attention_backend: {name!r} is not available; allowed: auto, torch, triton")
