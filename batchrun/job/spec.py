@@ -116,8 +116,9 @@ class JobSpec:
         if value is None:
             return None
         if isinstance(value, bool) and bool not in types or not isinstance(value, types):
-            names = " or ".join({"str": "a string", "int": "an integer", "float": "a number", "bool": "true/false",
-                                 "list": "a list"}[t.__name__] for t in types)
+            names = "a number" if types == _NUM else " or ".join(
+                {"str": "a string", "int": "an integer", "bool": "true/false", "list": "a list"}[t.__name__]
+                for t in types)
             raise self.fail(key, f"must be {names}, got {value!r}")
         if key in CHOICES and value not in CHOICES[key]:
             raise self.fail(key, f"unknown value {value!r}; allowed: {', '.join(CHOICES[key])}")

@@ -1,0 +1,84 @@
+"""Job files: every error names the field and the line; --set overrides; validate loads no model."""
+import json
+import re
+
+import pytest
+from click.testing import CliRunner
+
+from batchrun.cli import main
+from batchrun.job import JobError, JobSpec
+from jobkit import write_job, write_prompts
+
+BASE = "model: m\ninput:\n  path: in.parquet\noutput:\n  path: out\n"
+
+
+def spec_error(tmp_path, text: str, *overrides) -> str:
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    with pytest.raises(JobError) as info:
+        JobSpec.from_yaml(str(path), list(overrides))
+    assert info.value.exit_code == 2
+    return str(info.value)
+
+
+@pytest.mark.parametrize("text, message", [
+    (BASE + "sampling:\n  max_tokns: 5\n", r"sampling.max_tokns \(line 7\): unknown key; did you mean 'max_tokens'"),
+    (BASE + "batchng:\n  window: 5\n", r"batchng \(line 6\): unknown key; did you mean 'batching'"),
+    (BASE + "sampling:\n  temperature: hot\n", r"sampling.temperature \(line 7\): must be a number, got 'hot'"),
+    (BASE + "sampling:\n  max_tokens: 0\n", r"sampling.max_tokens \(line 7\): must be a positive integer"),
+    (BASE + "sampling:\n  top_p: 2\n", r"sampling.top_p \(line 7\): must be in \(0, 1\]"),
+    (BASE + "input2: {}\n", r"unknown key; did you mean 'input'"),
+    (BASE.replace("  path: in.parquet\n", "  id_column: id\n"), r"input \(line 2\): path is required"),
+    (BASE + "engine:\n  kv_cache_dtype: int4\n", r"engine.kv_cache_dtype \(line 7\): unknown value 'int4'"),
+    (BASE + "engine:\n  kv_cache_memory: lots\n", r"engine.kv_cache_memory \(line 7\): cannot parse 'lots'"),
+    (BASE + "engine:\n  max_num_seqs: true\n", r"engine.max_num_seqs \(line 7\): must be an integer, got True"),
+    (BASE + "output:\n  path: o\n  order: random\n", r"output.order \(line 8\): unknown value 'random'; allowed"),
+    (BASE.replace("in.parquet", "in.parquet\n  template: 'Hi {'"), r"input.template \(line 4\): not a valid"),
+    (BASE.replace("in.parquet", "in.parquet\n  template: 'no fields'"), r"needs \{column\} placeholders"),
+    (BASE.replace("in.parquet", "in.parquet\n  prompt_column: p\n  messages_column: m"),
+     r"input.messages_column \(line 5\): give one of"),
+    (BASE.replace("in.parquet", "in.parquet\n  system_prompt: Be brief."), r"system_prompt \(line 4\): needs chat"),
+    ("- a\n- b\n", "must be a mapping"),
+    ("model: [unclosed\n", "not valid YAML"),
+])
+def test_bad_spec_names_field_and_line(tmp_path, text, message):
+    assert re.search(message, spec_error(tmp_path, text))
+
+
+def test_set_overrides_and_errors(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(BASE)
+    spec = JobSpec.from_yaml(str(path), ["input.limit=20", "sampling.stop=[END]", "batching.bucketing=false"])
+    assert spec.data["input"]["limit"] == 20 and spec.data["sampling"]["stop"] == ["END"]
+    assert spec.data["batching"]["bucketing"] is False
+    assert "input.limit (from --set): must be a positive integer" in spec_error(tmp_path, BASE, "input.limit=-1")
+    assert "expected key=value" in spec_error(tmp_path, BASE, "input.limit")
+    assert "did you mean 'limit'" in spec_error(tmp_path, BASE, "input.limt=3")
+
+
+def test_paths_are_relative_to_the_job_file(tmp_path):
+    path = tmp_path / "jobs" / "job.yaml"
+    path.parent.mkdir()
+    path.write_text(BASE)
+    spec = JobSpec.from_yaml(str(path))
+    assert spec.resolve(spec.data["input"]["path"]) == str(tmp_path / "jobs" / "in.parquet")
+
+
+def test_missing_job_file_exit_code(tmp_path):
+    result = CliRunner().invoke(main, ["validate", str(tmp_path / "nope.yaml")])
+    assert result.exit_code == 2 and "cannot read the job file" in result.output
+
+
+def test_validate_reports_without_loading_the_model(tmp_path, tiny_model, monkeypatch):
+    import batchrun.engine.engine as engine_module
+    monkeypatch.setattr(engine_module.Engine, "__init__", lambda *a, **k: pytest.fail("validate loaded the model"))
+    write_prompts(tmp_path / "in.parquet", 20)
+    job = write_job(tmp_path, tiny_model[0], input={"limit": 12})
+    result = CliRunner().invoke(main, ["validate", job, "--set", "sampling.max_tokens=9"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["rows"] == 12 and report["rows_failing_before_generation"] == 0
+    assert 0 < report["prompt_tokens"]["p50"] <= report["prompt_tokens"]["max"]
+    # tiny Llama: 2 layers x 2 KV heads x head_dim 16 x float32, K and V
+    assert report["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4
+    assert report["output_state"] == "new" and not (tmp_path / "out").exists()
