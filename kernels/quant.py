@@ -38,3 +38,20 @@ def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return (codes.to(torch.float32) * scales[..., None]).to(dtype)
+
+
+def rotation(head_dim: int, device=None, dtype=torch.float32) -> torch.Tensor:
+    """An orthogonal [d, d] matrix that spreads outlier channels over all channels before 8-bit storage.
+
+    q.k = (qR).(kR) and sum p_i (v_i R) = (sum p_i v_i) R, so attention over rotated K/V with a rotated query,
+    un-rotated at the end, is exact; only the quantization error shrinks. Normalised Walsh-Hadamard for powers of
+    two, else a fixed-seed random orthogonal matrix.
+    """
+    if head_dim & (head_dim - 1) == 0:
+        r = torch.ones(1, 1)
+        while r.shape[0] < head_dim:
+            r = torch.cat([torch.cat([r, r], 1), torch.cat([r, -r], 1)], 0)
+        r = r / head_dim ** 0.5
+    else:
+        r, _ = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=torch.Generator().manual_seed(0)))
+    return r.to(device=device, dtype=dtype)

@@ -12,6 +12,11 @@ import torch.nn.functional as F
 from batchrun.kernels import quant
 
 
+def _as_bits(t: torch.Tensor) -> torch.Tensor:
+    """fp8 tensors as uint8 (CPU torch lacks indexing kernels for float8); other dtypes unchanged."""
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 and t.dtype != torch.int8 else t
+
+
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
                    v_scale: torch.Tensor | None = None) -> None:
@@ -24,7 +29,7 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
         if scales is not None:
             rows, row_scales = quant.quantize(rows, cache.dtype)
             scales.view(-1, scales.shape[-1]).index_copy_(0, slot_mapping, row_scales)
-        cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, rows.to(cache.dtype))
+        _as_bits(cache).view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, _as_bits(rows.to(cache.dtype)))
 
 
 def _gather_rows(cache: torch.Tensor, scales: torch.Tensor | None, block_tables: torch.Tensor, length: int,
@@ -33,7 +38,7 @@ def _gather_rows(cache: torch.Tensor, scales: torch.Tensor | None, block_tables:
     batch = block_tables.shape[0]
     num_blocks = min(block_tables.shape[1], -(-length // cache.shape[1]))
     tables = block_tables[:, :num_blocks]
-    rows = cache[tables].view(batch, -1, *cache.shape[2:])[:, :length]
+    rows = _as_bits(cache)[tables].view(cache.dtype).view(batch, -1, *cache.shape[2:])[:, :length]
     if scales is not None:
         return quant.dequantize(rows, scales[tables].view(batch, -1, scales.shape[-1])[:, :length], dtype)
     return rows.to(dtype)

@@ -63,14 +63,20 @@ class Attention(nn.Module):
                                 bias=config.model_type != "qwen2" and getattr(config, "attention_bias", False))
         self.scale = self.head_dim ** -0.5
         self.backend = backend
-        self.kv_cache = None   # LayerCache, set by the model runner
+        self.kv_cache = None      # LayerCache, set by the model runner
+        self.kv_rotation = None   # [d, d] orthogonal matrix when the KV cache is 8-bit (kernels.quant.rotation)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        rotation = self.kv_rotation
+        if rotation is not None:   # attention is unchanged by the rotation; 8-bit storage error shrinks
+            q, k, v = q @ rotation, k @ rotation, v @ rotation
         out = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale)
+        if rotation is not None:
+            out = out @ rotation.T
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

@@ -1,0 +1,57 @@
+"""KV quality gate: the same prompts, greedy, with unquantized KV and with an 8-bit KV dtype, compared."""
+from __future__ import annotations
+
+import gc
+from dataclasses import asdict, dataclass, replace
+
+from batchrun.engine.request import RequestOutput
+from batchrun.sampling_params import SamplingParams
+
+
+@dataclass
+class KVCheckReport:
+    kv_cache_dtype: str
+    reference_dtype: str              # "auto": the compute dtype (float32 on CPU, 16-bit on CUDA)
+    requests: int
+    identical_fraction: float         # requests whose greedy outputs are token-for-token identical
+    mean_first_diff: float | None     # mean position of the first differing token, over differing requests
+    mean_abs_logprob_diff: float      # chosen-token logprobs, over positions before the first difference
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def summary(self) -> str:
+        first = "n/a" if self.mean_first_diff is None else f"{self.mean_first_diff:.1f}"
+        return (f"kv {self.kv_cache_dtype} vs {self.reference_dtype}: {self.identical_fraction:.1%} of "
+                f"{self.requests} greedy outputs identical, first difference at token {first} on average, "
+                f"mean |d logprob| {self.mean_abs_logprob_diff:.4f}")
+
+
+def compare(reference: list[RequestOutput], candidate: list[RequestOutput], kv_cache_dtype: str,
+            reference_dtype: str = "auto") -> KVCheckReport:
+    firsts, diffs = [], []
+    for ref, out in zip(reference, candidate):
+        common = next((i for i, (a, b) in enumerate(zip(ref.token_ids, out.token_ids)) if a != b),
+                      None if len(ref.token_ids) == len(out.token_ids) else min(len(ref.token_ids),
+                                                                                  len(out.token_ids)))
+        if common is not None:
+            firsts.append(common)
+        same = len(ref.token_ids) if common is None else common
+        diffs += [abs(a - b) for a, b in zip(ref.logprobs[:same], out.logprobs[:same])]
+    n = len(reference)
+    return KVCheckReport(kv_cache_dtype, reference_dtype, n, (n - len(firsts)) / n if n else 1.0,
+                         sum(firsts) / len(firsts) if firsts else None, sum(diffs) / len(diffs) if diffs else 0.0)
+
+
+def run_kvcheck(make_llm, prompts: list, params: list[SamplingParams], kv_cache_dtype: str,
+                reference_dtype: str = "auto") -> KVCheckReport:
+    """`make_llm(kv_cache_dtype)` builds an LLM; prompts run greedy with logprobs under both dtypes, one
+    engine at a time (so both need not fit in memory together)."""
+    greedy = [replace(p, temperature=0.0, logprobs=True) for p in params]
+    outputs = []
+    for dtype in (reference_dtype, kv_cache_dtype):
+        llm = make_llm(dtype)
+        outputs.append(llm.generate(prompts, greedy, use_tqdm=False))
+        del llm
+        gc.collect()
+    return compare(outputs[0], outputs[1], kv_cache_dtype, reference_dtype)
