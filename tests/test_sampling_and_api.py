@@ -87,3 +87,29 @@ def test_step_api_streams_tokens(tiny_llm):
             if out.request_id == request.request_id:
                 seen.append(len(out.token_ids))
     assert seen == [1, 2, 3, 4]
+
+
+def test_submit_streams_from_another_thread(tiny_llm):
+    import threading
+    prompt = random_prompts([6])[0]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    expected = tiny_llm.generate([prompt], params, use_tqdm=False)[0]
+    handles = []
+    tiny_llm.start_background()
+    try:
+        threads = [threading.Thread(target=lambda: handles.append(tiny_llm.submit(prompt, params))) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        streamed = [[tok for chunk in h.stream(timeout=30) for tok in chunk.new_token_ids] for h in handles]
+        assert streamed == [expected.token_ids] * 3
+        assert all(h.result(timeout=5).text == expected.text for h in handles)
+        slow = tiny_llm.submit(prompt, SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
+        next(slow.stream(timeout=30))
+        slow.cancel()
+        assert slow.result(timeout=30).finish_reason == "abort"
+    finally:
+        tiny_llm.stop_background()
+    assert not tiny_llm.has_unfinished()
+    assert tiny_llm.engine.block_manager.num_free_blocks == tiny_llm.engine.num_blocks

@@ -176,11 +176,13 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._rejected)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its blocks; returns its final output (None if unknown or finished)."""
         request = self.requests.get(request_id)
-        if request is not None and not request.finished:
-            self.scheduler.finish(request)
-            self._finish(request, "abort", None)
+        if request is None or request.finished:
+            return None
+        self._finish(request, "abort")
+        return self._output(request)
 
     def step(self) -> list[RequestOutput]:
         """Run one step; returns an output for each request that got a token or finished."""

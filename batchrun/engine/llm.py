@@ -1,6 +1,8 @@
 """The Python API, in the shape vLLM users know: LLM(...).generate(prompts, SamplingParams(...))."""
 from __future__ import annotations
 
+import itertools
+import threading
 import time
 from typing import Any, Sequence
 
@@ -8,6 +10,7 @@ from tqdm.auto import tqdm
 
 from batchrun.config import EngineConfig
 from batchrun.engine.engine import Engine
+from batchrun.engine.handles import EngineOverloaded, RequestHandle
 from batchrun.engine.request import Request, RequestOutput
 from batchrun.sampling_params import SamplingParams
 
@@ -29,6 +32,15 @@ class LLM:
         admission_key = engine_options.pop("admission_key", None)
         self.engine = Engine(EngineConfig(model=model, **engine_options),
                              **({"admission_key": admission_key} if admission_key else {}))
+        self.max_pending_submits = 256
+        self._inbox: list[tuple] = []
+        self._aborts: list[str] = []
+        self._handles: dict[str, RequestHandle] = {}
+        self._inbox_lock = threading.Lock()
+        self._submit_ids = itertools.count()
+        self._wake = threading.Event()
+        self._stop_loop = threading.Event()
+        self._loop_thread: threading.Thread | None = None
 
     @property
     def tokenizer(self):
@@ -57,10 +69,80 @@ class LLM:
                          f"got {type(prompt).__name__}")
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, **kwargs) -> Request:
+        """Queue a request from the thread that steps the engine (see `submit` for other threads)."""
         return self.engine.add_request(self.encode(prompt), params or SamplingParams(), **kwargs)
 
+    def submit(self, prompt: Prompt, params: SamplingParams | None = None, lane: str = "interactive",
+               request_id: str | None = None, priority: int = 0) -> RequestHandle:
+        """Thread-safe: queue a request and return a handle to stream its tokens or wait for its result.
+
+        The request joins at the next `step()` of whoever drives the engine (a job, `generate`, or the background
+        loop started by `start_background()`). Raises EngineOverloaded when too many are already waiting.
+        """
+        token_ids = self.encode(prompt)
+        with self._inbox_lock:
+            if len(self._handles) >= self.max_pending_submits:
+                raise EngineOverloaded(f"{len(self._handles)} submitted requests in flight "
+                                       f"(limit {self.max_pending_submits}); retry later")
+            request_id = request_id or f"submit-{next(self._submit_ids)}"
+            handle = RequestHandle(request_id, self.tokenizer, self._inbox_abort)
+            self._handles[request_id] = handle
+            self._inbox.append((token_ids, params or SamplingParams(), request_id, lane, priority))
+        self._wake.set()
+        return handle
+
+    def _inbox_abort(self, request_id: str) -> None:
+        with self._inbox_lock:
+            self._aborts.append(request_id)
+        self._wake.set()
+
     def step(self) -> list[RequestOutput]:
-        return self.engine.step()
+        """One engine step. Outputs of submitted requests go to their handles; the rest are returned."""
+        with self._inbox_lock:
+            inbox, aborts = self._inbox, self._aborts
+            self._inbox, self._aborts = [], []
+        for token_ids, params, request_id, lane, priority in inbox:
+            self.engine.add_request(token_ids, params, request_id=request_id, lane=lane, priority=priority)
+        for request_id in aborts:
+            final = self.engine.abort(request_id)
+            handle = self._handles.pop(request_id, None)
+            if handle is not None and final is not None:
+                handle._push(final)
+        outputs = []
+        for out in self.engine.step():
+            handle = self._handles.get(out.request_id)
+            if handle is None:
+                outputs.append(out)
+                continue
+            handle._push(out)
+            if out.finished:
+                with self._inbox_lock:
+                    self._handles.pop(out.request_id, None)
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished() or bool(self._inbox) or bool(self._aborts)
+
+    def start_background(self) -> None:
+        """Step the engine in a daemon thread whenever there is work (for serving without a job)."""
+        if self._loop_thread is None or not self._loop_thread.is_alive():
+            self._stop_loop.clear()
+            self._loop_thread = threading.Thread(target=self._background_loop, name="batchrun-engine", daemon=True)
+            self._loop_thread.start()
+
+    def stop_background(self) -> None:
+        self._stop_loop.set()
+        self._wake.set()
+        if self._loop_thread is not None:
+            self._loop_thread.join()
+
+    def _background_loop(self) -> None:
+        while not self._stop_loop.is_set():
+            if self.has_unfinished():
+                self.step()
+            else:
+                self._wake.wait(0.5)
+                self._wake.clear()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -90,7 +172,7 @@ class LLM:
         out_tokens, start = 0, time.perf_counter()
         with bar:
             while pending:
-                for out in self.engine.step():
+                for out in self.step():
                     if out.finished and out.request_id in pending:
                         pending.discard(out.request_id)
                         results[out.request_id] = out
