@@ -130,5 +130,70 @@ def status(job, overrides) -> None:
         _fail(exc)
 
 
+def _engine_overrides(items) -> dict:
+    """--engine KEY=VALUE (repeatable) -> engine options, values parsed as YAML scalars (1GiB, 32, true)."""
+    import yaml
+    options = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise click.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint="--engine")
+        options[key.strip().replace("-", "_")] = yaml.safe_load(value)
+    return options
+
+
+@main.command()
+@click.option("--model", default="smollm2-135m", show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Interface to listen on; the default is loopback only.")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--api-key", envvar="BATCHRUN_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/* "
+              "(also read from BATCHRUN_API_KEY).")
+@click.option("--served-model-name", help="The model id clients send and /v1/models lists (default: --model).")
+@click.option("--max-prompt-tokens", type=int, help="Refuse longer prompts with 400 (default: the context - 1).")
+@click.option("--max-tokens-limit", type=int, help="Refuse a larger max_tokens with 400 (default: the context).")
+@click.option("--max-pending", type=int, default=64, show_default=True,
+              help="Requests in flight before new ones get 429.")
+@click.option("--kv-cache-memory", default="2GiB", show_default=True)
+@click.option("--kv-cache-dtype", default="auto", show_default=True)
+@click.option("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs, show_default=True)
+@click.option("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens, show_default=True)
+@click.option("--max-model-len", type=int)
+@click.option("--engine", "engine_items", multiple=True, metavar="KEY=VALUE",
+              help="Any other engine option (see batchrun/config.py), e.g. --engine block_size=32 (repeatable).")
+def serve(model, host, port, api_key, served_model_name, max_prompt_tokens, max_tokens_limit, max_pending,
+          kv_cache_memory, kv_cache_dtype, max_num_seqs, max_num_batched_tokens, max_model_len, engine_items) -> None:
+    """Serve MODEL over an OpenAI-compatible HTTP endpoint (/v1/completions, /v1/chat/completions, /v1/models,
+    /health, /metrics); requests go to the engine's interactive lane. Needs the serve extra (fastapi, uvicorn)."""
+    try:
+        import uvicorn
+
+        from batchrun.server import create_app
+    except ImportError as exc:
+        raise click.UsageError(f"batchrun serve needs the serve extra: pip install 'batchrun[serve]' ({exc})")
+    from batchrun import LLM
+
+    options = dict(kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs,
+                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
+    options.update(_engine_overrides(engine_items))
+    if max_pending <= 0:
+        raise click.BadParameter("must be a positive integer", param_hint="--max-pending")
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        click.echo(f"batchrun: warning: listening on {host} without --api-key: anyone who can reach it can use it",
+                   err=True)
+    try:
+        llm = LLM(model=model, **options)
+        app = create_app(llm, api_key=api_key, model_name=served_model_name or model,
+                         max_prompt_tokens=max_prompt_tokens, max_tokens_limit=max_tokens_limit)
+    except (ValueError, TypeError) as exc:
+        raise click.UsageError(str(exc)) from exc
+    llm.max_pending_submits = max_pending
+    llm.start_background()
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    finally:
+        llm.stop_background()
+
+
 if __name__ == "__main__":
     main()
