@@ -8,6 +8,7 @@ import time
 import pyarrow.dataset as ds
 from click.testing import CliRunner
 
+from batchrun import Job
 from batchrun.cli import main
 from batchrun.job.errors import EXIT_INTERRUPTED, EXIT_LOCKED, EXIT_OK
 from batchrun.job.sink import ShardStore
@@ -78,6 +79,7 @@ def test_lock_and_sigterm(tmp_path, tiny_model):
     out = str(tmp_path / "out" / "job")
     proc = start_submit(job)
     wait_for(lambda: len(committed(out)) >= 3, proc)
+    assert Job.from_yaml(job).status()["state"] == "running"
     second = CliRunner().invoke(main, ["submit", job])
     assert second.exit_code == EXIT_LOCKED
     assert f"already running (pid {proc.pid})" in second.output
@@ -90,6 +92,7 @@ def test_lock_and_sigterm(tmp_path, tiny_model):
     summary = json.load(open(os.path.join(out, "summary.json")))
     assert summary["status"] == "interrupted" and summary["rows_done"] == len(committed(out)) > 0
     assert summary["rows_remaining"] == len(ids) - summary["rows_done"] > 0
+    assert Job.from_yaml(job).status()["state"] == "stopped"
     resumed = cli("submit", job, "--progress", "log", "--set", "engine.max_num_seqs=16")
     assert resumed.returncode == EXIT_OK, resumed.stderr
     assert_exactly_once(out, ids)

@@ -107,4 +107,4 @@ def test_changed_spec_refused_unless_restart_and_status(tmp_path, tiny_model):
     restarted = cli("submit", job, "--restart")
     assert restarted.exit_code == 0 and json.loads(restarted.stdout.splitlines()[-1])["rows_ok"] == 10
     status = json.loads(cli("status", job).stdout)
-    assert status["rows_done"] == 10 and status["rows_remaining"] == 0 and status["rows_failed"] == 0
+    assert status["state"] == "done" and status["rows_done"] == 10 and status["rows_remaining"] == 0 and status["rows_failed"] == 0

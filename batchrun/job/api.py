@@ -7,7 +7,7 @@ import pyarrow as pa
 
 from batchrun.job.report import counts, read_state
 from batchrun.job.runner import JobRunner
-from batchrun.job.sink import ShardStore
+from batchrun.job.sink import JobLock, ShardStore
 from batchrun.job.spec import JobSpec
 
 
@@ -61,4 +61,7 @@ class Job:
         state = read_state(out) if os.path.isdir(out) else None
         if state is None:
             return {"state": "not started", "output": out}
-        return {"state": "started", "output": out, "identity": state["identity"], **counts(out)}
+        running = JobLock.held(out)
+        c = counts(out)
+        return {"state": "running" if running else "done" if c["rows_remaining"] == 0 else "stopped",
+                "output": out, "identity": state["identity"], **c}

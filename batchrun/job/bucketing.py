@@ -1,7 +1,8 @@
-"""Length bucketing: rows are read in windows and, inside a window, admitted shortest prompt first.
+"""Length bucketing: rows are read in windows and, inside a window, admitted in prompt-length order.
 
 Requests admitted together then have similar lengths, so prefill chunks and decode attention groups are
-even. Only a window's token ids are in memory; a window as large as the input sorts the whole input.
+even. Shortest first by default; longest_first leaves the short requests for the tail. Only a window's
+token ids are in memory; a window as large as the input sorts the whole input.
 """
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from batchrun.job.source import Row
 
 class RowFeed:
     def __init__(self, batches: Iterable[list[Row]], prepare: Callable[[list[Row]], None], window: int,
-                 bucketing: bool, skip: set[int]):
+                 bucketing: bool, skip: set[int], longest_first: bool = False):
         self._batches: Iterator[list[Row]] = iter(batches)
         self.prepare, self.window, self.bucketing, self.skip = prepare, window, bucketing, skip
+        self.longest_first = longest_first
         self.queue: deque[tuple[tuple, Row]] = deque()   # (order_key, row), in admission order
         self.failed: list[Row] = []                     # rows that failed before the engine: write them as they are
         self.window_index = 0
@@ -39,7 +41,7 @@ class RowFeed:
             for row in batch:
                 (self.failed if row.error else rows).append(row)
         if self.bucketing:
-            rows.sort(key=lambda r: len(r.token_ids))
+            rows.sort(key=lambda r: len(r.token_ids), reverse=self.longest_first)
             self.queue.extend(((self.window_index, rank), row) for rank, row in enumerate(rows))
         else:
             self.queue.extend(((), row) for row in rows)

@@ -33,8 +33,8 @@ class Progress:
         elif now - self.last_log >= self.log_every_s:
             self.last_log = now
             rows_rate = (self.done - self.done_at_start) / max(now - self.start, 1e-9)
-            eta = (self.total - self.done) / rows_rate if rows_rate > 0 else float("nan")
-            log.info("rows %d/%d (%d failed this run), %s, preemptions %d, ETA %.0fs",
+            eta = f"{(self.total - self.done) / rows_rate:.0f}s" if rows_rate > 0 else "?"
+            log.info("rows %d/%d (%d failed this run), %s, preemptions %d, ETA %s",
                      self.done, self.total, self.failed, detail, s.preemptions, eta)
 
     def close(self) -> None:

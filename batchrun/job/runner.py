@@ -57,7 +57,7 @@ class JobRunner:
             try:
                 log.info("job %s: %d rows, %d already done, output %s", self._name(), total, len(done), out_dir)
                 run = self._generate(source, sink, done, total) if len(done) < total else {}
-                return out_dir, self._finish(out_dir, sink, run, source)
+                return out_dir, self._finish(out_dir, sink, run)
             finally:
                 for handler in handlers:
                     log.removeHandler(handler)
@@ -93,7 +93,7 @@ class JobRunner:
             params.update(encoder.prepare(rows))
 
         feed = RowFeed(source.batches(min(1024, batching["window"])), prepare_rows, batching["window"],
-                       batching["bucketing"], done)
+                       batching["bucketing"], done, batching["longest_first"])
         in_flight_cap = engine.config.max_num_seqs + (batching["max_waiting"] or 4 * engine.config.max_num_seqs)
         inflight: dict[str, Row] = {}
         progress = Progress(total, len(done), self.tty, spec.data["output"]["log_every_s"], self._name())
@@ -130,9 +130,10 @@ class JobRunner:
                 "prompt_tokens_processed": s.prompt_tokens, "preemptions": s.preemptions,
                 "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens, "kv_blocks_peak": kv_peak,
                 "kv_blocks_total": engine.num_blocks, "kv_block_size": engine.config.block_size,
-                "kv_bytes_per_token": engine.kv_bytes_per_token, "bucketing": batching["bucketing"]}
+                "kv_bytes_per_token": engine.kv_bytes_per_token, "bucketing": batching["bucketing"],
+                "longest_first": batching["longest_first"]}
 
-    def _finish(self, out_dir: str, sink: ResultSink, run: dict, source) -> dict:
+    def _finish(self, out_dir: str, sink: ResultSink, run: dict) -> dict:
         out = self.spec.data["output"]
         if not self.stop_reason:
             if out["order"] == "input":

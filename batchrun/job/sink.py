@@ -141,3 +141,18 @@ class JobLock:
 
     def __exit__(self, *exc) -> None:
         os.close(self.fd)
+
+    @staticmethod
+    def held(out_dir: str) -> bool:
+        """Whether a submit holds the job's lock now (checked with a shared, non-blocking flock)."""
+        try:
+            fd = os.open(os.path.join(out_dir, ".lock"), os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return False
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)

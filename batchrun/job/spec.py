@@ -32,7 +32,8 @@ SCHEMA: dict[str, dict[str, tuple]] = {
                  "seed": (_INT, None), "stop": ((str, list), None), "ignore_eos": (_BOOL, False)},
     "output": {"path": (_STR, None), "openai_batch": (_BOOL, False), "order": (_STR, "finish"),
                "shard_rows": (_INT, 256), "flush_every_s": (_NUM, 30.0), "log_every_s": (_NUM, 30.0)},
-    "batching": {"bucketing": (_BOOL, True), "window": (_INT, 8192), "max_waiting": (_INT, None)},
+    "batching": {"bucketing": (_BOOL, True), "longest_first": (_BOOL, False), "window": (_INT, 8192),
+                 "max_waiting": (_INT, None)},
 }
 TOP_LEVEL = {"name": (_STR, None), "model": (_STR, "smollm2-135m")}
 CHOICES = {("input", "format"): ("auto", "parquet", "openai_batch"), ("input", "truncate"): ("none", "left", "right"),
