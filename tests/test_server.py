@@ -1,0 +1,202 @@
+"""The OpenAI-compatible endpoint, driven by the official openai client against a real uvicorn server on the tiny
+model: completions, chat, streaming, bad requests, tokens, overload, not ready, disconnects, a job alongside."""
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from batchrun import LLM  # noqa: E402
+from batchrun.server import ServerThread, create_app  # noqa: E402
+from conftest import reference_greedy  # noqa: E402
+
+KEY = "test-key"
+MAX_PROMPT, MAX_TOKENS = 64, 32
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model):
+    llm = LLM(model=tiny_model[0], kv_cache_memory="4MiB", block_size=4)
+    state = {"ready": True}
+    app = create_app(llm, api_key=KEY, model_name="tiny", max_prompt_tokens=MAX_PROMPT, max_tokens_limit=MAX_TOKENS,
+                     ready=lambda: state["ready"])
+    llm.start_background()
+    server = ServerThread(app).start()
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=30)
+    yield llm, server, client, state
+    server.stop()
+    llm.stop_background()
+
+
+def _raw(server, path, body=None, key=KEY, **kw):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if body is None:
+        return httpx.get(server.url + path, headers=headers, timeout=30)
+    return httpx.post(server.url + path, json=body, headers=headers, timeout=30, **kw)
+
+
+def test_completion_matches_transformers_greedy(served, tiny_model):
+    llm, _, client, _ = served
+    prompt = [5, 17, 42, 99, 7, 3]
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    expected = reference_greedy(tiny_model[1], prompt, 6)
+    assert r.object == "text_completion" and r.model == "tiny"
+    assert r.choices[0].text == llm.tokenizer.decode(expected, skip_special_tokens=True)
+    assert r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (6, 6, 12)
+    text = client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=4, temperature=0)
+    assert text.usage.prompt_tokens == len(llm.encode("The quick brown fox"))
+
+
+def test_chat_and_models(served):
+    llm, _, client, _ = served
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital?"}]
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0, logprobs=True)
+    choice = r.choices[0]
+    assert r.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length") and r.usage.prompt_tokens == len(llm.encode(messages))
+    assert len(choice.logprobs.content) == r.usage.completion_tokens
+    assert all(t.logprob <= 0 for t in choice.logprobs.content)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_streaming_equals_non_streaming(served):
+    _, _, client, _ = served
+    messages = [{"role": "user", "content": "Summarize the text."}]
+    kw = dict(model="tiny", messages=messages, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kw).choices[0].message.content
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+    text = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt="The lazy dog", max_tokens=8, temperature=0, stream=True))
+    assert text == client.completions.create(model="tiny", prompt="The lazy dog", max_tokens=8,
+                                             temperature=0).choices[0].text
+    raw = _raw(served[1], "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2, "stream": True})
+    assert raw.headers["content-type"].startswith("text/event-stream") and raw.text.endswith("data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(temperature=-1), "temperature"),
+    (dict(top_p=0), "top_p"),
+    (dict(max_tokens=MAX_TOKENS + 1), "max_tokens"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(n=2), "n"),
+    (dict(prompt="fox " * (MAX_PROMPT + 10)), "prompt"),
+    (dict(prompt=[]), "prompt"),
+    (dict(prompt=[1, 100000]), "prompt"),
+    (dict(extra_body={"top_k": -5}), "top_k"),
+    (dict(frequency_penalty=1.0), "frequency_penalty"),
+])
+def test_bad_completion_requests_name_the_field(served, kwargs, param):
+    _, _, client, _ = served
+    args = {"model": "tiny", "prompt": "hello", "max_tokens": 4, **kwargs}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(**args)
+    assert err.value.status_code == 400
+    assert err.value.body["param"] == param and param in err.value.body["message"]
+
+
+def test_bad_chat_and_raw_requests(served):
+    _, server, client, _ = served
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=[{"role": "robot", "content": "hi"}])
+    assert err.value.body["param"] == "messages[0].role"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=[])
+    assert err.value.body["param"] == "messages"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
+    for body, param in [({"model": "tiny"}, "prompt"), ({"prompt": "x", "max_tokens": "ten"}, "max_tokens"),
+                        ({"prompt": "x", "stream": "yes"}, "stream")]:
+        r = _raw(server, "/v1/completions", body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = httpx.post(server.url + "/v1/chat/completions", content=b"{not json",
+                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert r.status_code == 400 and "invalid JSON" in r.json()["error"]["message"]
+
+
+def test_wrong_or_missing_token_is_401(served):
+    _, server, _, _ = served
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as err:
+        bad.completions.create(model="tiny", prompt="hi", max_tokens=2)
+    assert err.value.status_code == 401 and err.value.body["code"] == "invalid_api_key"
+    assert _raw(server, "/v1/models", key=None).status_code == 401
+    assert _raw(server, "/health", key=None).status_code == 200
+
+
+def test_overload_is_429_and_not_ready_is_503(served):
+    llm, server, client, state = served
+    llm.stop_background()            # nothing steps: a submitted request stays in flight
+    llm.max_pending_submits = 1
+    try:
+        first = {}
+        t = threading.Thread(target=lambda: first.setdefault("r", client.completions.create(
+            model="tiny", prompt="hi", max_tokens=3, temperature=0)))
+        t.start()
+        deadline = time.monotonic() + 10
+        while "batchrun_http_requests_in_flight 1" not in _raw(server, "/metrics").text:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        with pytest.raises(openai.RateLimitError) as err:
+            client.completions.create(model="tiny", prompt="hi", max_tokens=3)
+        assert err.value.status_code == 429
+    finally:
+        llm.max_pending_submits = 256
+        llm.start_background()
+    t.join(30)
+    assert first["r"].usage.completion_tokens >= 1
+    state["ready"] = False
+    try:
+        assert _raw(server, "/health").status_code == 503
+        with pytest.raises(openai.InternalServerError) as err:
+            client.completions.create(model="tiny", prompt="hi", max_tokens=3)
+        assert err.value.status_code == 503
+    finally:
+        state["ready"] = True
+
+
+def test_disconnect_cancels_and_frees_blocks(served, monkeypatch):
+    llm, server, client, _ = served
+    real_step = llm.step
+
+    def slow_step():                # 32 tokens take > 1 s, so the disconnect lands mid-generation
+        time.sleep(0.04)
+        return real_step()
+
+    monkeypatch.setattr(llm, "step", slow_step)
+    tokens_before = llm.engine.stats.output_tokens
+    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi " * 5}],
+                                            max_tokens=MAX_TOKENS, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True})
+    it = iter(stream)
+    while not next(it).choices[0].delta.content:
+        pass
+    assert llm.engine.stats.kv_blocks_used > 0
+    stream.close()
+    deadline = time.monotonic() + 5
+    while llm.engine.stats.running or llm.engine.stats.kv_blocks_used:
+        assert time.monotonic() < deadline, "blocks not freed after the client went away"
+        time.sleep(0.02)
+    assert llm.engine.stats.output_tokens - tokens_before < MAX_TOKENS
+
+
+def test_metrics(served):
+    _, server, client, _ = served
+    client.completions.create(model="tiny", prompt="hi", max_tokens=2)
+    text = _raw(server, "/metrics", key=None).text
+    assert 'batchrun_http_requests_total{route="/v1/completions",status="200"}' in text
+    for name in ("batchrun_engine_kv_blocks_free", "batchrun_engine_preemptions_total",
+                 "batchrun_interactive_completion_tokens_total", "batchrun_interactive_time_to_first_token_seconds_count"):
+        assert name in text
