@@ -24,11 +24,13 @@ DISCONNECT_POLL_S = 0.1
 
 
 def create_app(llm, api_key: str | None = None, model_name: str | None = None, max_prompt_tokens: int | None = None,
-               max_tokens_limit: int | None = None, ready: Callable[[], bool] | None = None) -> FastAPI:
-    """ready: returns False while requests cannot progress (answered 503); default: always ready."""
+               max_tokens_limit: int | None = None, ready: Callable[[], bool] | None = None,
+               lane: str = "interactive") -> FastAPI:
+    """ready: returns False while requests cannot progress (answered 503); default: always ready.
+    lane: the engine lane of served requests ("batch" only to measure one shared FIFO pool)."""
     max_len = llm.engine.max_model_len
     server = _Server(llm, model_name or llm.model_path, min(max_prompt_tokens or max_len - 1, max_len - 1),
-                     min(max_tokens_limit or max_len, max_len), ready or (lambda: True))
+                     min(max_tokens_limit or max_len, max_len), ready or (lambda: True), lane)
     app = FastAPI(title="batchrun", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
     app.add_middleware(_Guard, api_key=api_key, metrics=server.metrics)
@@ -80,8 +82,8 @@ def create_app(llm, api_key: str | None = None, model_name: str | None = None, m
 
 
 class _Server:
-    def __init__(self, llm, model_name: str, max_prompt_tokens: int, max_tokens_limit: int, ready):
-        self.llm, self.model_name, self.ready = llm, model_name, ready
+    def __init__(self, llm, model_name: str, max_prompt_tokens: int, max_tokens_limit: int, ready, lane: str):
+        self.llm, self.model_name, self.ready, self.lane = llm, model_name, ready, lane
         self.max_prompt_tokens, self.max_tokens_limit = max_prompt_tokens, max_tokens_limit
         self.metrics = ServerMetrics()
         self.started = int(time.time())
@@ -102,7 +104,7 @@ class _Server:
         fmt = fmt_cls(f"{'chatcmpl' if fmt_cls is ChatFormat else 'cmpl'}-{uuid.uuid4().hex}", self.model_name,
                       self.llm.tokenizer)
         try:
-            handle = self.llm.submit(token_ids, params, lane="interactive", request_id=fmt.id)
+            handle = self.llm.submit(token_ids, params, lane=self.lane, request_id=fmt.id)
         except EngineOverloaded as exc:
             raise APIError(429, f"server overloaded: {exc}", type="rate_limit_error", code="rate_limit_exceeded",
                            headers={"Retry-After": "1"}) from exc
