@@ -85,17 +85,38 @@ def _fail(exc) -> None:
     sys.exit(exc.exit_code)
 
 
+def _serve_beside(address: str, api_key: str | None, model_name: str):
+    """`submit --serve`: a factory the job runner calls with its LLM once the model is loaded."""
+    import functools
+    try:
+        from batchrun.server.thread import ServeBesideJob, parse_host_port
+    except ImportError as exc:
+        raise click.UsageError(f"--serve needs the serve extra: pip install 'batchrun[serve]' ({exc})")
+    try:
+        parse_host_port(address)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc).removeprefix("--serve: "), param_hint="--serve") from exc
+    return functools.partial(ServeBesideJob, address=address, api_key=api_key, model_name=model_name)
+
+
 @main.command(help="Run JOB (a YAML job file) to completion, or resume it where it stopped.\n\n" + _EXIT_HELP)
 @click.argument("job", type=click.Path(dir_okay=False))
 @_SET
 @click.option("--restart", is_flag=True, help="Discard the results of a different job in the output directory.")
 @click.option("--progress", type=click.Choice(["auto", "bar", "log"]), default="auto", show_default=True,
               help="auto: a bar on a terminal, log lines otherwise.")
-def submit(job, overrides, restart, progress) -> None:
+@click.option("--serve", "serve_address", metavar="HOST:PORT",
+              help="While the job runs, serve an OpenAI-compatible endpoint on its engine (interactive lane), "
+                   "e.g. 127.0.0.1:8000. Needs the serve extra.")
+@click.option("--api-key", envvar="BATCHRUN_API_KEY", help="With --serve: require 'Authorization: Bearer KEY' "
+              "(also read from BATCHRUN_API_KEY).")
+def submit(job, overrides, restart, progress, serve_address, api_key) -> None:
     from batchrun.job import Job, JobError
     from batchrun.job.errors import EXIT_INTERRUPTED
     try:
-        result = Job.from_yaml(job, list(overrides)).run(restart=restart, progress=progress)
+        job_ = Job.from_yaml(job, list(overrides))
+        serve = _serve_beside(serve_address, api_key, job_.spec.data["model"]) if serve_address else None
+        result = job_.run(restart=restart, progress=progress, serve=serve)
     except JobError as exc:
         _fail(exc)
     except KeyboardInterrupt:

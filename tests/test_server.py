@@ -200,3 +200,56 @@ def test_metrics(served):
     for name in ("batchrun_engine_kv_blocks_free", "batchrun_engine_preemptions_total",
                  "batchrun_interactive_completion_tokens_total", "batchrun_interactive_time_to_first_token_seconds_count"):
         assert name in text
+
+
+def test_interactive_requests_complete_while_a_job_runs_and_the_job_is_exactly_once(tmp_path, tiny_model):
+    from batchrun import Job
+    from batchrun.server.thread import ServeBesideJob
+    from jobkit import write_job, write_prompts
+
+    ids = write_prompts(tmp_path / "in.parquet", 48)
+    job = Job.from_yaml(write_job(tmp_path, tiny_model[0], sampling={"max_tokens": 16, "ignore_eos": True}))
+    servers: list[ServeBesideJob] = []
+
+    def serve(llm):
+        real_step = llm.step
+
+        def paced_step():            # keep the tiny job running for a few seconds, whatever the machine
+            time.sleep(0.005)
+            return real_step()
+
+        llm.step = paced_step
+        servers.append(ServeBesideJob(llm, "127.0.0.1:0", api_key=KEY, model_name="tiny"))
+        return servers[-1]
+
+    result = {}
+    runner = threading.Thread(target=lambda: result.setdefault("job", job.run(progress="log", serve=serve)))
+    runner.start()
+    deadline = time.monotonic() + 60
+    while not (servers and servers[0].thread.server.started):
+        assert time.monotonic() < deadline and runner.is_alive(), "the server beside the job did not start"
+        time.sleep(0.01)
+    client = openai.OpenAI(base_url=servers[0].url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    answers, finished_during_job = [], []
+
+    def ask(i):
+        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": f"q{i}"}],
+                                           max_tokens=4, temperature=0)
+        answers.append(r)
+        finished_during_job.append(runner.is_alive())
+
+    askers = [threading.Thread(target=ask, args=(i,)) for i in range(6)]
+    for t in askers:
+        t.start()
+    for t in askers:
+        t.join(60)
+    runner.join(120)
+    assert len(answers) == 6 and all(a.usage.completion_tokens >= 1 for a in answers)
+    assert all(finished_during_job)
+    table = result["job"].table()
+    assert result["job"].exit_code == 0
+    assert sorted(table.column("id").to_pylist()) == sorted(ids) and table.num_rows == len(ids)
+    assert set(table.column("completion_tokens").to_pylist()) == {16}
+    assert servers[0].thread.server.should_exit     # the endpoint went away with the job
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(servers[0].url + "/health", timeout=2)

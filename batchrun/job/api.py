@@ -47,9 +47,10 @@ class Job:
     def output_dir(self) -> str:
         return self.spec.resolve(self.spec.data["output"]["path"])
 
-    def run(self, restart: bool = False, progress: str = "auto") -> JobResult:
-        """Run to completion or resume; progress: auto (bar on a terminal), bar, or log."""
-        return JobResult(*JobRunner(self.spec, restart, progress).run())
+    def run(self, restart: bool = False, progress: str = "auto", serve=None) -> JobResult:
+        """Run to completion or resume; progress: auto (bar on a terminal), bar, or log. serve: an optional
+        llm -> context manager that serves HTTP on the job's engine (batchrun.server.ServeBesideJob)."""
+        return JobResult(*JobRunner(self.spec, restart, progress, serve).run())
 
     def validate(self) -> dict:
         from batchrun.job.validate import validate

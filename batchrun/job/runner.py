@@ -5,6 +5,7 @@ however large the input. SIGTERM/SIGINT stop admission, save finished rows and e
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -36,8 +37,9 @@ def _record(row: Row, out=None) -> dict:
 
 
 class JobRunner:
-    def __init__(self, spec: JobSpec, restart: bool = False, progress: str = "auto"):
+    def __init__(self, spec: JobSpec, restart: bool = False, progress: str = "auto", serve=None):
         self.spec, self.restart = spec, restart
+        self.serve = serve   # optional llm -> context manager serving HTTP on the job's engine (submit --serve)
         self.tty = sys.stderr.isatty() if progress == "auto" else progress == "bar"
         self.stop_reason: str | None = None
 
@@ -98,7 +100,7 @@ class JobRunner:
         inflight: dict[str, Row] = {}
         progress = Progress(total, len(done), self.tty, spec.data["output"]["log_every_s"], self._name())
         start, kv_peak = time.perf_counter(), 0
-        with self._signals():
+        with self._signals(), (self.serve(llm) if self.serve else contextlib.nullcontext()) as server:
             while self.stop_reason is None:
                 while len(inflight) < in_flight_cap and (item := feed.next()) is not None:
                     order_key, row = item
@@ -109,9 +111,9 @@ class JobRunner:
                     sink.add(_record(row))
                     progress.row(failed=True, tokens=0)
                 feed.failed.clear()
-                if not inflight:
+                if not inflight and (server is None or not server.finishing()):
                     break
-                for out in engine.step():
+                for out in llm.step():   # also admits served requests and routes their tokens
                     if out.finished:
                         sink.add(_record(inflight.pop(out.request_id), out))
                         progress.row(failed=out.finish_reason == "error", tokens=len(out.token_ids))

@@ -2,6 +2,7 @@
 or a test. The socket is bound before the thread starts, so port 0 picks a free port without a race."""
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -63,3 +64,35 @@ class ServerThread:
         self.server.should_exit = True
         self.thread.join(timeout)
         self.sock.close()
+
+
+class ServeBesideJob:
+    """The endpoint on a job's LLM (`batchrun submit JOB --serve HOST:PORT`): a context manager around the job's
+    loop. When the job's rows are done the runner calls `finishing()`: new requests get 503 and the loop keeps
+    stepping until the interactive requests already admitted have finished."""
+
+    def __init__(self, llm, address: str, api_key: str | None = None, model_name: str | None = None, **app_options):
+        from batchrun.server.app import create_app
+        host, port = parse_host_port(address)
+        self.llm, self.accepting = llm, True
+        app = create_app(llm, api_key=api_key, model_name=model_name, ready=lambda: self.accepting, **app_options)
+        self.thread = ServerThread(app, host, port)
+
+    @property
+    def url(self) -> str:
+        return self.thread.url
+
+    def __enter__(self) -> "ServeBesideJob":
+        self.thread.start()
+        logging.getLogger("batchrun.job").info("serving the OpenAI-compatible endpoint on %s/v1 (interactive lane)",
+                                               self.url)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.accepting = False
+        self.thread.stop()
+
+    def finishing(self) -> bool:
+        """Stop admitting; True while submitted requests are still in the engine (keep stepping)."""
+        self.accepting = False
+        return self.llm.has_unfinished()
