@@ -253,3 +253,11 @@ def test_interactive_requests_complete_while_a_job_runs_and_the_job_is_exactly_o
     assert servers[0].thread.server.should_exit     # the endpoint went away with the job
     with pytest.raises(httpx.HTTPError):
         httpx.get(servers[0].url + "/health", timeout=2)
+
+
+def test_stop_string_prefix_is_held_back_while_streaming():
+    from batchrun.server.formats import hold_back_stop_prefix
+    assert hold_back_stop_prefix("Hello wor", ["world"]) == "Hello "
+    assert hold_back_stop_prefix("Hello w", ["xyz", "wo"]) == "Hello "
+    assert hold_back_stop_prefix("Hello", ["world"]) == "Hello"
+    assert hold_back_stop_prefix("ab", []) == "ab"
