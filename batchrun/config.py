@@ -43,6 +43,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     seed: int = 0
+    # Interactive lane: its own 16-bit KV pool (float32 on CPU), admitted first, capped, never preempted by batch.
+    interactive_lane: bool = False
+    interactive_kv_memory: str | int | None = None   # default: an eighth of the KV budget
+    interactive_kv_cache_dtype: str = "auto"
+    interactive_max_num_seqs: int = 8
+    interactive_token_share: float = 0.5             # at most this share of a step's tokens; batch keeps the rest
 
     def __post_init__(self):
         self.kv_cache_bytes = None if self.kv_cache_memory is None else parse_memory(self.kv_cache_memory)
@@ -51,7 +57,14 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend: unknown value {self.attention_backend!r}; "
                              f"allowed: {', '.join(ATTENTION_BACKENDS)}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        self.interactive_kv_bytes = (None if self.interactive_kv_memory is None
+                                     else parse_memory(self.interactive_kv_memory, "interactive_kv_memory"))
+        if self.interactive_kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"interactive_kv_cache_dtype: unknown value {self.interactive_kv_cache_dtype!r}; "
+                             f"allowed: {', '.join(KV_CACHE_DTYPES)}")
+        if not 0 < self.interactive_token_share < 1:
+            raise ValueError(f"interactive_token_share: must be in (0, 1), got {self.interactive_token_share!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "interactive_max_num_seqs"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")

@@ -36,6 +36,15 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
+@dataclass
+class Segment:
+    """Consecutive rows of the step's tokens whose K/V live in one KV pool (one lane)."""
+    start: int
+    end: int
+    pool: int
+    meta: AttentionMetadata
+
+
 class TorchAttentionBackend:
     """Vectorised over decode requests (in groups of similar length, so padding stays small); prefill chunks
     one request at a time (few per step)."""

@@ -10,20 +10,19 @@ from typing import Callable
 import torch
 
 from batchrun.config import EngineConfig
-from batchrun.engine import kv_cache, loader
+from batchrun.engine import kv_cache, kv_sizing, loader
 from batchrun.engine.attention import get_backend
 from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.model_runner import ModelRunner
 from batchrun.engine.request import Request, RequestOutput, RequestStatus
 from batchrun.engine.sampler import Sampler
-from batchrun.engine.scheduler import Scheduler, default_admission_key
+from batchrun.engine.scheduler import Lane, Scheduler, WaitingQueue, default_admission_key
 from batchrun.models.llama import LlamaForCausalLM, fuse_checkpoint
 from batchrun.sampling_params import SamplingParams
 
 log = logging.getLogger("batchrun")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-DEFAULT_CPU_KV_BYTES = 2 * 2**30
 
 
 @dataclass
@@ -50,7 +49,7 @@ class Engine:
         self.hf_config = loader.load_config(self.model_path, config.trust_remote_code)
         self.tokenizer = loader.load_tokenizer(config.tokenizer or self.model_path, config.trust_remote_code)
         self.dtype = self._compute_dtype()
-        self.kv_dtype = kv_cache.storage_dtype(config.kv_cache_dtype, self.dtype)
+        self.kv_dtype = kv_cache.storage_dtype(config.kv_cache_dtype, self.dtype)   # the batch lane's
         self.max_model_len = self._max_model_len()
 
         with torch.device("meta"):
@@ -61,60 +60,49 @@ class Engine:
         self.model.init_rope(self.max_model_len, self.device, self.dtype)
         self.model.eval()
 
-        attn = self.model.model.layers[0].self_attn
-        self.kv_bytes_per_token = kv_cache.bytes_per_token(self.hf_config.num_hidden_layers, attn.num_kv_heads,
-                                                           attn.head_dim, self.kv_dtype)
-        self.runner = ModelRunner(self.model, config.block_size, self.kv_dtype, self.device)
-        num_blocks = self._num_kv_blocks()
-        self.runner.allocate_kv(num_blocks)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, admission_key)
+        self.runner = ModelRunner(self.model, config.block_size, self.device)
+        self.scheduler = Scheduler(self._build_lanes(admission_key), config.max_num_seqs,
+                                   config.max_num_batched_tokens)
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = self._eos_token_ids()
-        self.stats = StepStats(kv_blocks_free=num_blocks)
+        self.stats = StepStats(kv_blocks_free=self.num_blocks)
         self.requests: dict[str, Request] = {}
         self._rejected: list[Request] = []
         self._ids = itertools.count()
-        tokens = num_blocks * config.block_size
-        log.info("KV cache: %d blocks x %d tokens = %d tokens, %.3f GiB, dtype %s, %d bytes/token, "
-                 "max concurrency %d at max context %d", num_blocks, config.block_size, tokens,
-                 tokens * self.kv_bytes_per_token / 2**30, config.kv_cache_dtype if config.kv_cache_dtype != "auto"
-                 else str(self.kv_dtype).removeprefix("torch."), self.kv_bytes_per_token,
-                 tokens // self.max_model_len, self.max_model_len)
 
-    def _num_kv_blocks(self) -> int:
-        """From kv_cache_memory; on CUDA without it, what the device has left after a profiled peak step."""
-        config = self.config
-        if config.kv_cache_bytes is None and self.device.type == "cuda":
-            budget, field = self._profile_cuda_budget(), "gpu_memory_utilization"
-        else:
-            budget, field = config.kv_cache_bytes or DEFAULT_CPU_KV_BYTES, "kv_cache_memory"
-        block_bytes = self.kv_bytes_per_token * config.block_size
-        num_blocks = budget // block_bytes
-        needed = -(-self.max_model_len // config.block_size)
-        if num_blocks < needed:
-            raise ValueError(
-                f"{field}: the KV budget of {budget / 2**20:.1f} MiB holds {num_blocks * config.block_size} tokens "
-                f"of {config.kv_cache_dtype} KV ({self.kv_bytes_per_token} bytes/token), less than one request at "
-                f"max context ({self.max_model_len} tokens, {needed * block_bytes / 2**20:.1f} MiB); raise {field} "
-                f"or lower max_model_len to at most {num_blocks * config.block_size}")
-        return num_blocks
-
-    def _profile_cuda_budget(self) -> int:
-        """total x utilisation - (weights + activations at the largest step) - memory of other processes."""
-        config = self.config
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self.runner.dummy_forward(min(config.max_num_batched_tokens, self.max_model_len), config.max_num_seqs)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
-        others = total - free - torch.cuda.memory_reserved(self.device)
-        budget = int(total * config.gpu_memory_utilization - peak - others)
-        log.info("CUDA memory: total %.1f GiB, peak of weights + largest step %.2f GiB, other processes %.2f GiB, "
-                 "KV budget %.2f GiB at utilisation %.2f", total / 2**30, peak / 2**30, others / 2**30,
-                 budget / 2**30, config.gpu_memory_utilization)
-        return max(budget, 0)
+    def _build_lanes(self, admission_key) -> list[Lane]:
+        """The batch lane, and the interactive lane's own pool when enabled; sizes logged for capacity planning."""
+        config, attn = self.config, self.model.model.layers[0].self_attn
+        budget, field = kv_sizing.total_kv_budget(config, self.device, lambda: self.runner.dummy_forward(
+            min(config.max_num_batched_tokens, self.max_model_len), config.max_num_seqs, self.kv_dtype))
+        batch_bytes, interactive_bytes = kv_sizing.split_interactive(config, budget)
+        specs = [("batch", batch_bytes, config.kv_cache_dtype, config.max_num_seqs, config.max_num_batched_tokens,
+                  field)]
+        if config.interactive_lane:
+            specs.insert(0, ("interactive", interactive_bytes, config.interactive_kv_cache_dtype,
+                             config.interactive_max_num_seqs,
+                             max(1, int(config.max_num_batched_tokens * config.interactive_token_share)),
+                             "interactive_kv_memory"))
+        lanes, pools = [], []
+        for name, lane_bytes, dtype_name, max_seqs, token_cap, lane_field in specs:
+            dtype = kv_cache.storage_dtype(dtype_name, self.dtype)
+            per_token = kv_cache.bytes_per_token(self.hf_config.num_hidden_layers, attn.num_kv_heads, attn.head_dim,
+                                                 dtype)
+            label = dtype_name if dtype_name != "auto" else str(dtype).removeprefix("torch.")
+            num_blocks = kv_sizing.blocks_for(lane_bytes, per_token, config.block_size, self.max_model_len,
+                                              lane_field, label)
+            tokens = num_blocks * config.block_size
+            log.info("KV cache [%s lane]: %d blocks x %d tokens = %d tokens, %.3f GiB, dtype %s, %d bytes/token, "
+                     "max concurrency %d at max context %d", name, num_blocks, config.block_size, tokens,
+                     tokens * per_token / 2**30, label, per_token, tokens // self.max_model_len, self.max_model_len)
+            if name == "batch":
+                self.kv_bytes_per_token = per_token
+            lanes.append(Lane(name, BlockManager(num_blocks, config.block_size, config.enable_prefix_caching),
+                              max_seqs, token_cap, WaitingQueue(admission_key)))
+            pools.append((num_blocks, dtype))
+        self.runner.allocate_kv(pools)
+        self._pool_index = {lane.name: i for i, lane in enumerate(lanes)}
+        return lanes
 
     def _compute_dtype(self) -> torch.dtype:
         if self.config.dtype != "auto":
@@ -143,8 +131,16 @@ class Engine:
         return ids
 
     @property
+    def block_manager(self) -> BlockManager:
+        """The batch lane's block manager."""
+        return self.scheduler.lanes[-1].block_manager
+
+    @property
     def num_blocks(self) -> int:
-        return self.block_manager.num_blocks
+        return sum(lane.block_manager.num_blocks for lane in self.scheduler.lanes)
+
+    def _pool_of(self, request: Request) -> int:
+        return self._pool_index.get(request.lane, len(self.scheduler.lanes) - 1)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     lane: str = "batch", priority: int = 0, order_key: tuple = ()) -> Request:
@@ -191,12 +187,12 @@ class Engine:
         self._rejected = []
         plan = self.scheduler.schedule()
         if plan.scheduled:
-            logits, sample_reqs = self.runner.run(plan)
+            logits, sample_reqs = self.runner.run(plan, self._pool_of)
             for request, n in plan.scheduled:
                 if request.num_computed_tokens < request.num_prompt_tokens:
                     self.stats.prompt_tokens += min(n, request.num_prompt_tokens - request.num_computed_tokens)
                 request.num_computed_tokens += n
-                self.block_manager.cache_full_blocks(request)
+                self.scheduler.lane_of(request).block_manager.cache_full_blocks(request)
             tokens, logprobs = self.sampler(logits, sample_reqs)
             for request, token, logprob in zip(sample_reqs, tokens, logprobs):
                 self._append_token(request, token, logprob)
@@ -256,9 +252,10 @@ class Engine:
     def _update_stats(self, scheduled_tokens: int, step_time: float) -> None:
         s = self.stats
         s.step += 1
-        s.running, s.waiting = len(self.scheduler.running), len(self.scheduler.waiting)
+        lanes = self.scheduler.lanes
+        s.running, s.waiting = len(self.scheduler.running), self.scheduler.num_waiting
         s.scheduled_tokens, s.step_time = scheduled_tokens, step_time
-        s.kv_blocks_free = self.block_manager.num_free_blocks
+        s.kv_blocks_free = sum(lane.block_manager.num_free_blocks for lane in lanes)
         s.kv_blocks_used = self.num_blocks - s.kv_blocks_free
-        s.prefix_cache_hit_tokens = self.block_manager.prefix_hits
+        s.prefix_cache_hit_tokens = sum(lane.block_manager.prefix_hits for lane in lanes)
         s.preemptions = self.scheduler.num_preemptions

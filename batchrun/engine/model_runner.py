@@ -1,9 +1,11 @@
-"""Owns the model and its KV pool; turns a StepPlan into one forward and the logits to sample from."""
+"""Owns the model and its KV pools (one per lane); turns a StepPlan into one forward and the logits to sample from."""
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
-from batchrun.engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from batchrun.engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk, Segment
 from batchrun.engine.kv_cache import KVPool
 from batchrun.engine.request import Request
 from batchrun.engine.scheduler import StepPlan
@@ -17,39 +19,39 @@ PAD_TOKENS = 2048
 
 
 class ModelRunner:
-    def __init__(self, model, block_size: int, kv_dtype: torch.dtype, device: torch.device):
+    def __init__(self, model, block_size: int, device: torch.device):
         self.model = model
         self.block_size = block_size
-        self.kv_dtype = kv_dtype
         self.device = device
-        self.kv_pool: KVPool | None = None
+        self.pools: list[KVPool] = []
 
-    def allocate_kv(self, num_blocks: int) -> None:
+    def allocate_kv(self, pools: list[tuple[int, torch.dtype]]) -> None:
+        """One KV pool per lane: (number of blocks, storage dtype)."""
         attn = self.model.model.layers[0].self_attn
-        self.kv_pool = None   # release the previous pool before allocating the new one
-        self.kv_pool = KVPool(len(self.model.model.layers), num_blocks, self.block_size, attn.num_kv_heads,
-                              attn.head_dim, self.kv_dtype, self.device)
+        self.pools = []   # release the previous pools before allocating new ones
+        self.pools = [KVPool(len(self.model.model.layers), num_blocks, self.block_size, attn.num_kv_heads,
+                             attn.head_dim, dtype, self.device) for num_blocks, dtype in pools]
         # int8 keeps one scale per token and head, so a few outlier channels cost the others precision: rotate
         # K/V first (fp8 is floating point, its relative error does not depend on outliers; measured no gain).
-        rotation = (quant.rotation(attn.head_dim, self.device, self.model.cos.dtype)
-                    if self.kv_dtype == torch.int8 else None)
+        rotations = [quant.rotation(attn.head_dim, self.device, self.model.cos.dtype) if dtype == torch.int8
+                     else None for _, dtype in pools]
         for i, layer in enumerate(self.model.model.layers):
-            layer.self_attn.kv_cache = self.kv_pool.layer(i)
-            layer.self_attn.kv_rotation = rotation
+            layer.self_attn.kv_caches = [pool.layer(i) for pool in self.pools]
+            layer.self_attn.kv_rotations = rotations
 
-    def dummy_forward(self, num_tokens: int, num_seqs: int) -> None:
+    def dummy_forward(self, num_tokens: int, num_seqs: int, kv_dtype: torch.dtype) -> None:
         """One forward at the largest step the scheduler may plan (for memory profiling), on a scratch pool."""
         num_seqs = max(1, min(num_seqs, num_tokens))
         per_seq = num_tokens // num_seqs
         blocks_per_seq = -(-per_seq // self.block_size)
-        self.allocate_kv(num_seqs * blocks_per_seq)
+        self.allocate_kv([(num_seqs * blocks_per_seq, kv_dtype)])
         plan = StepPlan()
         for i in range(num_seqs):
             request = Request(f"profile-{i}", [0] * per_seq, SamplingParams(max_tokens=1))
             request.block_table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
             plan.scheduled.append((request, per_seq))
-        self.run(plan)
-        self.allocate_kv(0)
+        self.run(plan, lambda request: 0)
+        self.allocate_kv([])
 
     def _slots(self, request: Request, start: int, end: int) -> list[int]:
         bs, table = self.block_size, request.block_table
@@ -77,26 +79,30 @@ class ModelRunner:
                            torch.tensor(lens, device=self.device), max(lens))
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan) -> tuple[torch.Tensor, list[Request]]:
+    def run(self, plan: StepPlan, pool_of: Callable[[Request], int]) -> tuple[torch.Tensor, list[Request]]:
         """Forward the planned tokens; returns logits [S, vocab] for the S requests that sample this step."""
-        # Decodes (one new token) first, so their rows form one vectorised block.
-        decodes = sorted(((r, n) for r, n in plan.scheduled if n == 1), key=lambda rn: rn[0].num_computed_tokens)
-        prefills = [(r, n) for r, n in plan.scheduled if n > 1]
-        input_ids, positions, slots, prefill_chunks, sample_rows, sample_reqs = [], [], [], [], [], []
-        for request, n in decodes + prefills:
-            start = request.num_computed_tokens
-            if n > 1:
-                prefill_chunks.append(PrefillChunk(len(input_ids), n, start + n,
-                                                   torch.tensor(request.block_table, device=self.device)))
-            input_ids.extend(request.token_ids[start:start + n])
-            positions.extend(range(start, start + n))
-            slots.extend(self._slots(request, start, start + n))
-            if start + n == request.num_tokens:
-                sample_rows.append(len(input_ids) - 1)
-                sample_reqs.append(request)
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=self.device), num_decodes=len(decodes),
-                                 decode_groups=self._decode_groups([r for r, _ in decodes]), prefills=prefill_chunks)
+        input_ids, positions, sample_rows, sample_reqs, segments = [], [], [], [], []
+        for pool in sorted({pool_of(r) for r, _ in plan.scheduled}):
+            scheduled = [(r, n) for r, n in plan.scheduled if pool_of(r) == pool]
+            # Decodes (one new token) first, by context length, so their rows form a few vectorised groups.
+            decodes = sorted(((r, n) for r, n in scheduled if n == 1), key=lambda rn: rn[0].num_computed_tokens)
+            prefills = [(r, n) for r, n in scheduled if n > 1]
+            seg_start, slots, chunks = len(input_ids), [], []
+            for request, n in decodes + prefills:
+                start = request.num_computed_tokens
+                if n > 1:
+                    chunks.append(PrefillChunk(len(input_ids) - seg_start, n, start + n,
+                                               torch.tensor(request.block_table, device=self.device)))
+                input_ids.extend(request.token_ids[start:start + n])
+                positions.extend(range(start, start + n))
+                slots.extend(self._slots(request, start, start + n))
+                if start + n == request.num_tokens:
+                    sample_rows.append(len(input_ids) - 1)
+                    sample_reqs.append(request)
+            meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=self.device), num_decodes=len(decodes),
+                                     decode_groups=self._decode_groups([r for r, _ in decodes]), prefills=chunks)
+            segments.append(Segment(seg_start, len(input_ids), pool, meta))
         logits = self.model(torch.tensor(input_ids, device=self.device),
-                            torch.tensor(positions, device=self.device), meta,
+                            torch.tensor(positions, device=self.device), segments,
                             torch.tensor(sample_rows, device=self.device, dtype=torch.long))
         return logits, sample_reqs

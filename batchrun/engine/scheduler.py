@@ -56,71 +56,119 @@ class StepPlan:
         return sum(n for _, n in self.scheduled)
 
 
+@dataclass(eq=False)
+class Lane:
+    """A class of requests with its own KV pool (block manager), queue and caps.
+
+    Lanes are scheduled in priority order; a lower lane always keeps what the caps above it leave
+    (the batch lane's guaranteed share of the token budget).
+    """
+    name: str
+    block_manager: BlockManager
+    max_num_seqs: int
+    token_cap: int
+    waiting: WaitingQueue
+    running: list[Request] = field(default_factory=list)   # admission order: the last is preempted first
+
+
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 admission_key: Callable[[Request], tuple] = default_admission_key):
-        self.block_manager = block_manager
+    def __init__(self, lanes: list[Lane], max_num_seqs: int, max_num_batched_tokens: int):
+        self.lanes = lanes                       # highest priority first; the last is the default lane
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting = WaitingQueue(admission_key)
-        self.running: list[Request] = []   # admission order: the last one is preempted first
         self.num_preemptions = 0
 
+    def lane_of(self, request: Request) -> Lane:
+        return next((lane for lane in self.lanes if lane.name == request.lane), self.lanes[-1])
+
+    @property
+    def running(self) -> list[Request]:
+        return [r for lane in self.lanes for r in lane.running]
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(lane.waiting) for lane in self.lanes)
+
     def add(self, request: Request) -> None:
-        self.waiting.push(request)
+        self.lane_of(request).waiting.push(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting) or bool(self.running)
+        return any(lane.waiting or lane.running for lane in self.lanes)
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.max_num_batched_tokens
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.block_manager.allocate_slots(request, n):
-                victim = self.running.pop()
-                self._preempt(victim, plan)
+        for lane in self.lanes:
+            lane_budget = min(budget, lane.token_cap)
+            used = self._schedule_running(lane, lane_budget, plan)
+            if not plan.preempted:   # a full pool would only preempt again
+                used += self._admit(lane, lane_budget - used, plan)
+            budget -= used
+        return plan
+
+    def _schedule_running(self, lane: Lane, budget: int, plan: StepPlan) -> int:
+        used, i = 0, 0
+        while i < len(lane.running) and used < budget:
+            request = lane.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget - used)
+            while not lane.block_manager.allocate_slots(request, n):
+                victim = lane.running.pop()
+                self._preempt(victim, lane, plan)
                 if victim is request:
                     break
             else:
                 plan.scheduled.append((request, n))
-                budget -= n
+                used += n
                 i += 1
-        if plan.preempted:   # the pool is full: admitting more would only preempt again
-            return plan
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting.peek()
-            hits = self.block_manager.get_computed_blocks(request)
-            cached = len(hits) * self.block_manager.block_size
-            n = min(request.num_tokens - request.num_computed_tokens - cached, budget)
-            if not self.block_manager.allocate_slots(request, n, hits):
+        return used
+
+    def _admit(self, lane: Lane, budget: int, plan: StepPlan) -> int:
+        used = 0
+        while lane.waiting and used < budget and len(lane.running) < lane.max_num_seqs:
+            if sum(len(x.running) for x in self.lanes) >= self.max_num_seqs and not self._free_a_seat(lane, plan):
                 break
-            self.waiting.pop()
+            request = lane.waiting.peek()
+            hits = lane.block_manager.get_computed_blocks(request)
+            cached = len(hits) * lane.block_manager.block_size
+            n = min(request.num_tokens - request.num_computed_tokens - cached, budget - used)
+            if not lane.block_manager.allocate_slots(request, n, hits):
+                break
+            lane.waiting.pop()
             request.num_computed_tokens += cached
             if request.num_preemptions == 0:
                 request.num_cached_tokens = cached
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            lane.running.append(request)
             plan.scheduled.append((request, n))
-            budget -= n
-        return plan
+            used += n
+        return used
 
-    def _preempt(self, request: Request, plan: StepPlan) -> None:
+    def _free_a_seat(self, lane: Lane, plan: StepPlan) -> bool:
+        """All seats taken: a higher lane takes one from the lowest lane below it, never the reverse."""
+        below = self.lanes[self.lanes.index(lane) + 1:]
+        for lower in reversed(below):
+            unscheduled = [r for r in lower.running if all(r is not s for s, _ in plan.scheduled)]
+            if unscheduled:
+                lower.running.remove(unscheduled[-1])
+                self._preempt(unscheduled[-1], lower, plan)
+                return True
+        return False
+
+    def _preempt(self, request: Request, lane: Lane, plan: StepPlan) -> None:
         """Free the request's blocks; it recomputes (often from the prefix cache) when readmitted."""
-        self.block_manager.free_request(request)
+        lane.block_manager.free_request(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.num_preemptions += 1
         plan.preempted.append(request)
-        self.waiting.push(request)
+        lane.waiting.push(request)
 
     def finish(self, request: Request) -> None:
         """Release a finished request, running or waiting."""
-        if request in self.running:
-            self.running.remove(request)
-            self.block_manager.free_request(request)
+        lane = self.lane_of(request)
+        if request in lane.running:
+            lane.running.remove(request)
+            lane.block_manager.free_request(request)
         else:
-            self.waiting.remove(request)
+            lane.waiting.remove(request)

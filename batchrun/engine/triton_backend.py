@@ -69,13 +69,13 @@ class TritonAttentionBackend:
             raise ValueError(f"attention_backend: 'triton' runs on CUDA, not on {device.type}; use 'torch' or "
                              "'auto' there (TRITON_INTERPRET=1 runs the kernels on CPU, slowly, for tests)")
         self._cache_write, self._attention = cache_write, paged_attention
-        self._meta: AttentionMetadata | None = None   # the step the tensors below were built for
-        self._step: TritonStepTensors | None = None
 
-    def _step_tensors(self, meta: AttentionMetadata, device: torch.device) -> TritonStepTensors:
-        if self._meta is not meta:   # a reference, not an id: a new step's metadata can never match
-            self._meta, self._step = meta, build_step_tensors(meta, device)
-        return self._step
+    @staticmethod
+    def _step_tensors(meta: AttentionMetadata, device: torch.device) -> TritonStepTensors:
+        """Built once per step and lane segment, then reused by every layer."""
+        if getattr(meta, "triton_step", None) is None:
+            meta.triton_step = build_step_tensors(meta, device)
+        return meta.triton_step
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: LayerCache,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchrun.engine.attention import AttentionMetadata
+from batchrun.engine.attention import Segment
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -63,21 +63,29 @@ class Attention(nn.Module):
                                 bias=config.model_type != "qwen2" and getattr(config, "attention_bias", False))
         self.scale = self.head_dim ** -0.5
         self.backend = backend
-        self.kv_cache = None      # LayerCache, set by the model runner
-        self.kv_rotation = None   # [d, d] orthogonal matrix when the KV cache is 8-bit (kernels.quant.rotation)
+        self.kv_caches = []       # one LayerCache per KV pool (lane), set by the model runner
+        self.kv_rotations = []    # per pool: [d, d] orthogonal matrix for int8 storage (kernels.quant.rotation)
 
-    def forward(self, x, cos, sin, meta: AttentionMetadata):
+    def forward(self, x, cos, sin, segments: list[Segment]):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        rotation = self.kv_rotation
-        if rotation is not None:   # attention is unchanged by the rotation; 8-bit storage error shrinks
-            q, k, v = q @ rotation, k @ rotation, v @ rotation
-        out = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale)
-        if rotation is not None:
-            out = out @ rotation.T
+        if len(segments) == 1:
+            out = self._attend(q, k, v, segments[0])
+        else:
+            out = torch.empty_like(q)
+            for seg in segments:
+                rows = slice(seg.start, seg.end)
+                out[rows] = self._attend(q[rows], k[rows], v[rows], seg)
         return self.o_proj(out.reshape(-1, self.q_size))
+
+    def _attend(self, q, k, v, seg: Segment):
+        rotation = self.kv_rotations[seg.pool]
+        if rotation is not None:   # attention is unchanged by the rotation; int8 storage error shrinks
+            q, k, v = q @ rotation, k @ rotation, v @ rotation
+        out = self.backend.forward(q, k, v, self.kv_caches[seg.pool], seg.meta, self.scale)
+        return out if rotation is None else out @ rotation.T
 
 
 class MLP(nn.Module):
@@ -100,8 +108,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
+    def forward(self, x, cos, sin, segments):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, segments)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -127,13 +135,13 @@ class LlamaForCausalLM(nn.Module):
         head_dim = self.model.layers[0].self_attn.head_dim
         self.cos, self.sin = rope_tables(self.config, head_dim, max_len, device, dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """Hidden states for every new token; logits only at `logits_indices` (the tokens to sample)."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.cos[positions], self.sin[positions]
         for layer in self.model.layers:
-            x = layer(x, cos, sin, meta)
+            x = layer(x, cos, sin, segments)
         return self.lm_head(self.model.norm(x[logits_indices])).float()
 
 
