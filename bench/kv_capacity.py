@@ -45,14 +45,14 @@ class ReservingBlockManager(BlockManager):
 
 def simulate(block_manager, rows, repeat, max_num_batched_tokens):
     """Drive the scheduler with a fake forward; running-request counts over the steps where requests wait."""
-    scheduler = Scheduler(block_manager, max_num_seqs=100_000, max_num_batched_tokens=max_num_batched_tokens)
+    scheduler = Scheduler.single_lane(block_manager, max_num_seqs=100_000, max_num_batched_tokens=max_num_batched_tokens)
     for r in range(repeat):
         for i, (ids, max_tokens) in enumerate(rows):
             scheduler.add(Request(f"{r}-{i}", ids, SamplingParams(max_tokens=max_tokens, temperature=0)))
     running = []
     while scheduler.has_unfinished():
         plan = scheduler.schedule()
-        if scheduler.waiting:
+        if scheduler.num_waiting:
             running.append(len(scheduler.running))
         for request, n in plan.scheduled:
             request.num_computed_tokens += n

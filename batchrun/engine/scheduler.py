@@ -78,6 +78,13 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_preemptions = 0
 
+    @classmethod
+    def single_lane(cls, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                    admission_key: Callable[[Request], tuple] = default_admission_key) -> "Scheduler":
+        """One pool for every request (no interactive lane), as simulations and tools use it."""
+        lane = Lane("batch", block_manager, max_num_seqs, max_num_batched_tokens, WaitingQueue(admission_key))
+        return cls([lane], max_num_seqs, max_num_batched_tokens)
+
     def lane_of(self, request: Request) -> Lane:
         return next((lane for lane in self.lanes if lane.name == request.lane), self.lanes[-1])
 
