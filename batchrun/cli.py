@@ -140,6 +140,26 @@ def validate(job, overrides) -> None:
     click.echo(json.dumps(report, indent=2))
 
 
+@main.command(help="Compare N of JOB's prompts, greedy, with unquantized KV and with the job's 8-bit KV dtype.")
+@click.argument("job", type=click.Path(dir_okay=False))
+@_SET
+@click.option("--sample", "sample", type=int, default=32, show_default=True, help="How many of the job's prompts.")
+@click.option("--dtype", "kv_dtype", type=click.Choice(["int8", "fp8"]), help="Default: the job's kv_cache_dtype.")
+def kvcheck(job, overrides, sample, kv_dtype) -> None:
+    from batchrun.job import Job, JobError
+    from batchrun.job.kv_gate import kvcheck as run
+    if sample <= 0:
+        raise click.BadParameter(f"must be a positive integer, got {sample}", param_hint="--sample")
+    try:
+        report = run(Job.from_yaml(job, list(overrides)).spec, sample, kv_dtype)
+    except JobError as exc:
+        _fail(exc)
+    except ValueError as exc:
+        _fail(JobError(f"{job}: engine: {exc}"))
+    click.echo(report.summary())
+    click.echo(json.dumps(report.as_dict(), indent=2))
+
+
 @main.command(help="Show JOB's progress from its output directory: done, failed, remaining.")
 @click.argument("job", type=click.Path(dir_okay=False))
 @_SET

@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 
-from batchrun.job import prepare
+from batchrun.job import kv_gate, prepare
 from batchrun.job.bucketing import RowFeed
 from batchrun.job.errors import EXIT_FAILED_ROWS, EXIT_INTERRUPTED, EXIT_OK, JobError
 from batchrun.job.progress import Progress
@@ -58,7 +58,7 @@ class JobRunner:
             handlers = self._log_to(out_dir)
             try:
                 log.info("job %s: %d rows, %d already done, output %s", self._name(), total, len(done), out_dir)
-                run = self._generate(source, sink, done, total) if len(done) < total else {}
+                run = self._generate(source, sink, done, total, out_dir) if len(done) < total else {}
                 return out_dir, self._finish(out_dir, sink, run)
             finally:
                 for handler in handlers:
@@ -80,11 +80,11 @@ class JobRunner:
         log.propagate = False
         return handlers
 
-    def _generate(self, source, sink: ResultSink, done: set[int], total: int) -> dict:
+    def _generate(self, source, sink: ResultSink, done: set[int], total: int, out_dir: str) -> dict:
         from batchrun import LLM
         spec = self.spec
         try:
-            llm = LLM(model=spec.data["model"], **spec.engine_options)
+            llm = LLM(model=spec.data["model"], **kv_gate.decide(spec, out_dir))
         except ValueError as exc:   # e.g. a KV budget too small for one request at max context
             raise JobError(f"{spec.path}: engine: {exc}") from exc
         engine, batching = llm.engine, spec.data["batching"]
@@ -133,6 +133,7 @@ class JobRunner:
                 "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens, "kv_blocks_peak": kv_peak,
                 "kv_blocks_total": engine.num_blocks, "kv_block_size": engine.config.block_size,
                 "kv_bytes_per_token": engine.kv_bytes_per_token, "bucketing": batching["bucketing"],
+                "kv_cache_dtype": engine.config.kv_cache_dtype, "kv_quality_gate": kv_gate.saved_decision(out_dir),
                 "longest_first": batching["longest_first"]}
 
     def _finish(self, out_dir: str, sink: ResultSink, run: dict) -> dict:

@@ -32,12 +32,15 @@ SCHEMA: dict[str, dict[str, tuple]] = {
                  "seed": (_INT, None), "stop": ((str, list), None), "ignore_eos": (_BOOL, False)},
     "output": {"path": (_STR, None), "openai_batch": (_BOOL, False), "order": (_STR, "finish"),
                "shard_rows": (_INT, 256), "flush_every_s": (_NUM, 30.0), "log_every_s": (_NUM, 30.0)},
+    "kv_quality_gate": {"sample": (_INT, 0), "min_identical": (_NUM, 0.9), "on_fail": (_STR, "stop"),
+                        "fallback_dtype": (_STR, "auto")},
     "batching": {"bucketing": (_BOOL, True), "longest_first": (_BOOL, False), "window": (_INT, 8192),
                  "max_waiting": (_INT, None)},
 }
 TOP_LEVEL = {"name": (_STR, None), "model": (_STR, "smollm2-135m")}
 CHOICES = {("input", "format"): ("auto", "parquet", "openai_batch"), ("input", "truncate"): ("none", "left", "right"),
-           ("output", "order"): ("finish", "input")}
+           ("output", "order"): ("finish", "input"), ("kv_quality_gate", "on_fail"): ("stop", "fallback"),
+           ("kv_quality_gate", "fallback_dtype"): ("auto", "float32", "float16", "bfloat16")}
 POSITIVE = {("input", "limit"), ("output", "shard_rows"), ("batching", "window"), ("batching", "max_waiting"),
             ("sampling", "max_tokens")}
 # sections that change what rows contain (the job's identity); engine, batching and logging only change speed
@@ -129,6 +132,9 @@ class JobSpec:
 
     def _check_rules(self, data: dict) -> None:
         inp = data["input"]
+        if not 0 <= data["kv_quality_gate"]["min_identical"] <= 1:
+            raise self.fail(("kv_quality_gate", "min_identical"), "must be a fraction in [0, 1], got "
+                                                                  f"{data['kv_quality_gate']['min_identical']!r}")
         for section, key in (("input", "path"), ("output", "path")):
             if not data[section][key]:
                 raise self.fail((section,), f"{key} is required")

@@ -1,0 +1,55 @@
+"""The KV quality gate of a job and `batchrun kvcheck`, on the tiny model."""
+import json
+import os
+
+import pytest
+from click.testing import CliRunner
+
+from batchrun import Job
+from batchrun.cli import main
+from batchrun.job.errors import EXIT_GATE_FAILED, JobError
+from jobkit import write_job, write_prompts
+
+STRICT = {"sample": 6, "min_identical": 1.0}   # fp8 on the chaotic tiny model diverges within 40 tokens
+
+
+def gate_job(tmp_path, model, gate, dtype="fp8", name="job"):
+    write_prompts(tmp_path / "in.parquet", 12)
+    return write_job(tmp_path, model, name=name, engine={"kv_cache_dtype": dtype}, kv_quality_gate=gate,
+                     sampling={"max_tokens": 40, "ignore_eos": True})
+
+
+def test_gate_passes_and_is_reported(tmp_path, tiny_model):
+    job = gate_job(tmp_path, tiny_model[0], {"sample": 4, "min_identical": 0.0}, dtype="int8")
+    result = Job.from_yaml(job).run(progress="log")
+    assert result.exit_code == 0
+    summary = json.load(open(os.path.join(result.output_dir, "summary.json")))
+    gate = summary["kv_quality_gate"]
+    assert gate["passed"] and gate["action"] == "kept" and summary["kv_cache_dtype"] == "int8"
+    assert gate["report"]["requests"] == 4 and 0 <= gate["report"]["identical_fraction"] <= 1
+
+
+def test_gate_failure_stops_before_any_row(tmp_path, tiny_model):
+    job = gate_job(tmp_path, tiny_model[0], {**STRICT, "on_fail": "stop"})
+    with pytest.raises(JobError, match=r"kv_quality_gate.*failed: .* identical greedy outputs on 6 sample prompts "
+                                       r"< min_identical 100.0%") as err:
+        Job.from_yaml(job).run(progress="log")
+    assert err.value.exit_code == EXIT_GATE_FAILED
+    assert not os.path.exists(tmp_path / "out" / "job" / "data") or not os.listdir(tmp_path / "out" / "job" / "data")
+
+
+def test_gate_failure_falls_back_to_unquantized_kv(tmp_path, tiny_model):
+    job = gate_job(tmp_path, tiny_model[0], {**STRICT, "on_fail": "fallback", "fallback_dtype": "float16"})
+    result = Job.from_yaml(job).run(progress="log")
+    summary = json.load(open(os.path.join(result.output_dir, "summary.json")))
+    assert result.exit_code == 0 and summary["rows_ok"] == 12
+    assert summary["kv_quality_gate"]["action"] == "fallback" and summary["kv_cache_dtype"] == "float16"
+
+
+def test_kvcheck_command(tmp_path, tiny_model):
+    job = gate_job(tmp_path, tiny_model[0], {}, dtype="int8")
+    result = CliRunner().invoke(main, ["kvcheck", job, "--sample", "3"])
+    assert result.exit_code == 0, result.output
+    assert "kv int8 vs auto:" in result.output and '"requests": 3' in result.output
+    bad = CliRunner().invoke(main, ["kvcheck", job, "--set", "engine.kv_cache_dtype=float16"])
+    assert bad.exit_code != 0 and "kvcheck compares an 8-bit KV dtype" in bad.output
