@@ -150,8 +150,10 @@ def make_llm(args, lanes: bool):
     from batchrun import LLM
     options = dict(kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens)
+    if args.max_model_len:
+        options["max_model_len"] = args.max_model_len
     if lanes:
-        options["interactive_lane"] = True
+        options.update(interactive_lane=True, interactive_kv_memory=args.interactive_kv_memory)
     return LLM(model=args.model, **options)
 
 
@@ -191,6 +193,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32, help="interactive max_tokens")
     ap.add_argument("--warmup-s", type=float, default=5.0, help="batch-only seconds before measuring")
     ap.add_argument("--kv-cache-memory", default="1GiB")
+    ap.add_argument("--interactive-kv-memory", default="512MiB",
+                    help="the interactive lane's pool (float32 on CPU); it must hold one request at max context")
+    ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
     ap.add_argument("--scenarios", default="idle,lanes,fifo")
