@@ -1,0 +1,1 @@
+"""Capacity planning: GPU catalog, step-time cost model, simulation over the real scheduler, the plan table."""

@@ -1,0 +1,87 @@
+"""Calibration: run a pilot of the job on this machine, fit t = a + b x tokens + c x sum(context) on its steps,
+then predict the whole job by simulating it with the fitted model (same scheduler, same pool size)."""
+from __future__ import annotations
+
+import time
+
+from batchrun.job.spec import JobSpec
+from batchrun.planner.costmodel import LinearModel, StepShape, fit_linear
+from batchrun.planner.simulate import WorkItem, simulate, step_shape, timeline
+from batchrun.planner.workload import Workload
+
+WARMUP_STEPS = 2   # the first steps pay one-off costs (allocation, kernel selection): not fitted
+
+
+def pilot_indices(n: int, fraction: float) -> list[int]:
+    """Every k-th request, spread over the job, at most `fraction` of it (at least one)."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"--pilot-fraction: must be in (0, 1], got {fraction!r}")
+    k = max(1, round(1 / fraction))
+    return list(range(0, n, k))[:max(1, int(n * fraction))]
+
+
+def run_pilot(llm, spec: JobSpec, items: list[WorkItem]) -> tuple[list[StepShape], list[float], list[int], float]:
+    """Drive llm.engine.step() over the items; each step's shape (read from the scheduler's plan) and time, the
+    measured output length of each item, and the wall time of the stepping loop."""
+    engine = llm.engine
+    shapes: list[StepShape] = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        plan = schedule()
+        shapes.append(step_shape(plan))
+        return plan
+
+    ids = []
+    for item in items:
+        params = spec.sampling_params(max_tokens=item.output_tokens)
+        ids.append(engine.add_request(list(item.prompt), params).request_id)
+    engine.scheduler.schedule = recording_schedule   # this engine instance only; removed below
+    times, lengths = [], {}
+    start = time.perf_counter()
+    try:
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    lengths[out.request_id] = len(out.token_ids)
+            times.append(engine.stats.step_time)
+    finally:
+        del engine.scheduler.schedule
+    wall = time.perf_counter() - start
+    return shapes, times, [lengths.get(i, 0) for i in ids], wall
+
+
+def calibrate(spec: JobSpec, work: Workload, fraction: float = 0.2, llm=None) -> dict:
+    """Pilot, fit, held-out error, and the full job's predicted stepping time on this machine."""
+    from batchrun import LLM
+    if llm is None:
+        llm = LLM(model=spec.data["model"], **spec.engine_options)
+    picked = pilot_indices(len(work.items), fraction)
+    pilot = [work.items[i] for i in picked]
+    shapes, times, lengths, wall = run_pilot(llm, spec, pilot)
+    shapes, times = [s for s, t in zip(shapes, times) if s.tokens][WARMUP_STEPS:], \
+        [t for s, t in zip(shapes, times) if s.tokens][WARMUP_STEPS:]
+    model = fit_linear(shapes, times)
+    # expected output lengths: measured for pilot rows; the pilot's finish ratios, in turn, for the others
+    ratios = [n / max(i.output_tokens, 1) for n, i in zip(lengths, pilot)]
+    measured = dict(zip(picked, lengths))
+    items = [WorkItem(it.prompt, measured[i] if i in measured else
+                      max(1, round(it.output_tokens * ratios[i % len(ratios)])))
+             for i, it in enumerate(work.items)]
+    engine = llm.engine
+    num_blocks = engine.block_manager.num_blocks
+    trace = simulate(items, num_blocks, work.block_size, work.max_num_seqs, work.max_num_batched_tokens,
+                     work.prefix_caching, work.keys)
+    full = timeline(trace, model.step_time)
+    return {"pilot": {"requests": len(pilot), "fraction": round(len(pilot) / len(work.items), 3),
+                      "steps": len(times) + WARMUP_STEPS, "wall_s": round(wall, 3),
+                      "output_tokens": sum(lengths), "mean_output_over_max_tokens": round(sum(ratios) / len(ratios), 3)},
+            "fit": model.to_dict(), "kv_blocks": num_blocks, "block_size": work.block_size,
+            "predicted": {"requests": len(items), "steps": trace.steps, "output_tokens": full.output_tokens,
+                          "makespan_s": round(full.makespan_s, 3), "drain_s": round(full.drain_s, 3),
+                          "preemptions": trace.preemptions}}
+
+
+def fitted(report: dict) -> LinearModel:
+    f = report["fit"]
+    return LinearModel(f["a_s"], f["b_s_per_token"], f["c_s_per_context_token"])

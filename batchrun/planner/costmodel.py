@@ -1,0 +1,152 @@
+"""Step-time models. A step is described by its shape (tokens, sequences, KV read); a model turns it into seconds.
+
+RooflineModel: time = overhead + max(bytes / (bandwidth x eff_bw), FLOPs / (peak x eff_compute)). Decode steps
+read every weight once plus each sequence's KV, so they sit on the bandwidth side; prefill-heavy steps do
+2 x params FLOPs per token and sit on the compute side. LinearModel: t = a + b x tokens + c x sum(context),
+fitted by least squares on measured steps (calibration).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from batchrun.planner.catalog import GPU
+
+WEIGHT_BYTES = 2   # fp16/bf16 weights on a GPU
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_context: int
+    tied_embeddings: bool
+    attention_bias: bool = False
+
+    @classmethod
+    def from_config(cls, config, name: str = "model") -> "ModelSpec":
+        """From a transformers config (or a dict of its fields), without loading weights."""
+        get = (config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d))
+        try:
+            hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
+            spec = cls(name=name, num_layers=int(get("num_hidden_layers")), hidden_size=hidden, num_heads=heads,
+                       kv_heads=int(get("num_key_value_heads") or heads),
+                       head_dim=int(get("head_dim") or hidden // heads),
+                       intermediate_size=int(get("intermediate_size")), vocab_size=int(get("vocab_size")),
+                       max_context=int(get("max_position_embeddings") or 4096),
+                       tied_embeddings=bool(get("tie_word_embeddings", False)),
+                       attention_bias=bool(get("attention_bias", False) or get("model_type") == "qwen2"))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"model: the config of {name!r} lacks a usable field ({exc}); needs hidden_size, "
+                             f"num_attention_heads, num_hidden_layers, intermediate_size, vocab_size") from exc
+        return spec
+
+    @property
+    def layer_params(self) -> int:
+        q, kv = self.num_heads * self.head_dim, self.kv_heads * self.head_dim
+        attn = self.hidden_size * (q + 2 * kv) + q * self.hidden_size + ((q + 2 * kv) if self.attention_bias else 0)
+        return attn + 3 * self.hidden_size * self.intermediate_size + 2 * self.hidden_size
+
+    @property
+    def num_params(self) -> int:
+        """Embeddings + layers + final norm + lm_head (unless tied to the embeddings)."""
+        embed = self.vocab_size * self.hidden_size
+        return embed + self.num_layers * self.layer_params + self.hidden_size + (0 if self.tied_embeddings else embed)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.num_params * WEIGHT_BYTES
+
+    def activation_bytes(self, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+        """Estimated peak of the largest step besides weights: hidden states and MLP of every token (fp16),
+        float32 logits of every sampled sequence. A rough stand-in for the engine's profiled peak."""
+        per_token = (4 * self.hidden_size + 2 * self.intermediate_size) * WEIGHT_BYTES
+        return max_num_batched_tokens * per_token + max_num_seqs * self.vocab_size * 4
+
+
+@dataclass(frozen=True)
+class StepShape:
+    tokens: int        # tokens computed this step (prefill chunks + one per decoding sequence)
+    seqs: int          # sequences scheduled
+    kv_tokens: int     # sum over scheduled sequences of their context after the step (KV read)
+    attn_pairs: int    # sum over scheduled tokens of the positions each attends to (attention FLOPs / 4 L H d)
+
+
+@dataclass
+class RooflineModel:
+    model: ModelSpec
+    gpu: GPU
+    kv_bytes_per_token: int
+    eff_bandwidth: float = 0.8
+    eff_compute: float = 0.6
+    overhead_s: float = 0.0015   # scheduler, launches, sampling: per step
+
+    def parts(self, s: StepShape) -> tuple[float, float]:
+        """(memory seconds, compute seconds) of one step."""
+        m = self.model
+        read = m.weight_bytes + s.kv_tokens * self.kv_bytes_per_token
+        matmul = 2 * (m.num_params - m.vocab_size * m.hidden_size * (1 if m.tied_embeddings else 2)) * s.tokens
+        lm_head = 2 * m.vocab_size * m.hidden_size * s.seqs
+        attention = 4 * m.num_layers * m.num_heads * m.head_dim * s.attn_pairs
+        return (read / (self.gpu.bandwidth_gbs * 1e9 * self.eff_bandwidth),
+                (matmul + lm_head + attention) / (self.gpu.fp16_tflops * 1e12 * self.eff_compute))
+
+    def step_time(self, s: StepShape) -> float:
+        return self.overhead_s + max(self.parts(s))
+
+    def decode_step(self, batch: int, context: int) -> float:
+        return self.step_time(StepShape(batch, batch, batch * context, batch * context))
+
+    def prefill_step(self, tokens: int) -> float:
+        return self.step_time(StepShape(tokens, 1, tokens, tokens * (tokens + 1) // 2))
+
+
+@dataclass
+class LinearModel:
+    """t = a + b x tokens + c x sum(context): fitted on measured steps of this machine."""
+    a: float
+    b: float
+    c: float
+    train_error: float = 0.0       # mean absolute % error on the steps it was fitted on
+    heldout_error: float = 0.0     # ... on held-out steps
+    heldout_total_error: float = 0.0  # % error of the summed time of the held-out steps
+    steps: int = 0
+
+    def step_time(self, s: StepShape) -> float:
+        return max(self.a + self.b * s.tokens + self.c * s.kv_tokens, 0.0)
+
+    def to_dict(self) -> dict:
+        return {"a_s": self.a, "b_s_per_token": self.b, "c_s_per_context_token": self.c, "steps": self.steps,
+                "train_mape_pct": round(self.train_error, 2), "heldout_mape_pct": round(self.heldout_error, 2),
+                "heldout_total_error_pct": round(self.heldout_total_error, 2)}
+
+
+def _mape(pred: np.ndarray, y: np.ndarray) -> float:
+    return float(np.mean(np.abs(pred - y) / np.maximum(y, 1e-9)) * 100)
+
+
+def fit_linear(shapes: list[StepShape], times: list[float], holdout_every: int = 5) -> LinearModel:
+    """Least squares on all but every `holdout_every`-th step; those are held out to report the error."""
+    if len(shapes) < 2 * holdout_every:
+        raise ValueError(f"calibration: {len(shapes)} measured steps are too few to fit and check the step-time "
+                         f"model (need at least {2 * holdout_every}); run a longer pilot (--pilot-fraction)")
+    x = np.array([[1.0, s.tokens, s.kv_tokens] for s in shapes])
+    y = np.array(times, dtype=float)
+    held = np.arange(len(y)) % holdout_every == holdout_every - 1
+    coef, *_ = np.linalg.lstsq(x[~held], y[~held], rcond=None)
+    if coef[1] < 0 or coef[2] < 0:   # noise made a slope negative: refit without it (times never fall with work)
+        keep = [0] + [i for i in (1, 2) if coef[i] >= 0]
+        sub, *_ = np.linalg.lstsq(x[~held][:, keep], y[~held], rcond=None)
+        coef = np.zeros(3)
+        coef[keep] = np.maximum(sub, 0.0)
+    pred = x @ coef
+    total = abs(pred[held].sum() - y[held].sum()) / max(y[held].sum(), 1e-9) * 100
+    return LinearModel(*map(float, coef), train_error=_mape(pred[~held], y[~held]),
+                       heldout_error=_mape(pred[held], y[held]), heldout_total_error=float(total), steps=len(y))

@@ -1,0 +1,179 @@
+"""The plan: for each GPU type x KV dtype, KV capacity, predicted makespan (simulated), GPUs for the deadline, cost."""
+from __future__ import annotations
+
+import math
+import re
+import time
+from datetime import datetime
+
+import torch
+
+from batchrun.engine import kv_cache
+from batchrun.planner.catalog import GPU
+from batchrun.planner.costmodel import ModelSpec, RooflineModel
+from batchrun.planner.simulate import Trace, simulate, timeline
+from batchrun.planner.workload import Workload
+
+KV_DTYPES = ("float16", "bfloat16", "int8", "fp8")
+DEFAULT_KV_DTYPES = ("float16", "int8", "fp8")
+MAX_GPUS = 4096
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_deadline(value: str, now: float | None = None) -> float:
+    """'6h', '90m', '1h30m', '2d' or a local date-time ('2030-01-31T06:00') -> seconds from now."""
+    text = str(value).strip().lower()
+    parts = re.findall(r"(\d+(?:\.\d+)?)\s*([smhd])", text)
+    if parts and re.fullmatch(r"(\s*\d+(?:\.\d+)?\s*[smhd])+\s*", text):
+        seconds = sum(float(n) * _UNITS[u] for n, u in parts)
+    else:
+        try:
+            seconds = datetime.fromisoformat(str(value).strip()).timestamp() - (now or time.time())
+        except ValueError:
+            raise ValueError(f"--deadline: cannot parse {value!r}; use a duration such as 6h, 90m, 1h30m, 2d "
+                             f"or a date-time such as 2030-01-31T06:00") from None
+        if seconds <= 0:
+            raise ValueError(f"--deadline: {value!r} is in the past; give a future date-time or a duration")
+    if seconds <= 0:
+        raise ValueError(f"--deadline: must be a positive duration, got {value!r}")
+    return seconds
+
+
+def kv_bytes_per_token(model: ModelSpec, dtype: str) -> int:
+    """As the engine allocates it: 2 x layers x kv_heads x (head_dim x element bytes + scale bytes)."""
+    if dtype not in KV_DTYPES:
+        raise ValueError(f"--kv-dtype: unknown value {dtype!r}; allowed: {', '.join(KV_DTYPES)}")
+    return kv_cache.bytes_per_token(model.num_layers, model.kv_heads, model.head_dim,
+                                    kv_cache.storage_dtype(dtype, torch.float16))
+
+
+class Planner:
+    def __init__(self, model: ModelSpec, work: Workload, utilization: float = 0.9,
+                 deadline_s: float | None = None, cost_options: dict | None = None):
+        if not 0 < utilization <= 1:
+            raise ValueError(f"--utilization: must be in (0, 1], got {utilization!r}")
+        self.model, self.work, self.util, self.deadline = model, work, utilization, deadline_s
+        self.cost_options = cost_options or {}
+        self._traces: dict[tuple, Trace] = {}
+        lengths = [i.prompt_len + i.output_tokens for i in work.items]
+        self.longest, self.mean_len = max(lengths), sum(lengths) / len(lengths)
+        bs = work.block_size
+        # more blocks than every seat at the longest request never changes a schedule: traces are shared above it
+        self.block_cap = work.max_num_seqs * -(-self.longest // bs) + 1
+
+    def trace(self, num_blocks: int, shard: int = 1) -> Trace:
+        key = (min(num_blocks, self.block_cap), shard)
+        if key not in self._traces:
+            w = self.work
+            self._traces[key] = simulate(w.items[::shard], key[0], w.block_size, w.max_num_seqs,
+                                         w.max_num_batched_tokens, w.prefix_caching, w.keys[::shard])
+        return self._traces[key]
+
+    def row(self, gpu: GPU, dtype: str) -> dict:
+        m, w = self.model, self.work
+        bpt = kv_bytes_per_token(m, dtype)
+        act = m.activation_bytes(w.max_num_batched_tokens, w.max_num_seqs)
+        budget = int(gpu.memory_bytes * self.util) - m.weight_bytes - act
+        row = {"gpu": gpu.name, "kv_dtype": dtype, "kv_bytes_per_token": bpt, "weights_gib": m.weight_bytes / 2**30,
+               "activations_gib": act / 2**30, "kv_budget_gib": max(budget, 0) / 2**30, "price_per_hour": gpu.price_per_hour}
+        if budget <= 0:
+            return row | {"fits": False, "reason": f"weights {m.weight_bytes / 2**30:.1f} GiB + activations "
+                          f"{act / 2**30:.1f} GiB exceed {self.util:.0%} of {gpu.memory_gb:g} GB"}
+        blocks = budget // (bpt * w.block_size)
+        tokens = blocks * w.block_size
+        need = -(-self.longest // w.block_size)
+        row |= {"blocks": blocks, "kv_tokens": tokens, "max_concurrency_mix": int(tokens // self.mean_len),
+                "max_concurrency_max_context": tokens // m.max_context}
+        if blocks < need:
+            return row | {"fits": False, "reason": f"the longest request ({self.longest} tokens) needs {need} "
+                          f"blocks; the KV budget holds {blocks}"}
+        cost = RooflineModel(m, gpu, bpt, **self.cost_options)
+        one = timeline(self.trace(blocks), cost.step_time)
+        row |= {"fits": True, "decode_step_ms": cost.decode_step(min(w.max_num_seqs, row["max_concurrency_mix"]),
+                                                                int(self.mean_len)) * 1e3,
+                "prefill_step_ms": cost.prefill_step(w.max_num_batched_tokens) * 1e3,
+                "makespan_1gpu_s": one.makespan_s, "drain_s": one.drain_s, "steps": len(one.step_times),
+                "preemptions": self.trace(blocks).preemptions, "output_tokens": one.output_tokens}
+        gpus, makespan = 1, one.makespan_s
+        if self.deadline:
+            gpus, makespan = self._gpus_for_deadline(blocks, cost, one.makespan_s)
+        row |= {"gpus": gpus, "makespan_s": makespan}
+        if gpus is None:
+            return row | {"meets_deadline": False, "reason": f"even {MAX_GPUS} GPUs (or one request alone) "
+                          f"take longer than the deadline"}
+        hours = gpus * makespan / 3600
+        cost_job = hours * gpu.price_per_hour
+        return row | {"meets_deadline": self.deadline is None or makespan <= self.deadline, "gpu_hours": hours,
+                      "cost_usd": cost_job, "usd_per_million_output_tokens": cost_job / max(one.output_tokens, 1) * 1e6}
+
+    def _gpus_for_deadline(self, blocks: int, cost: RooflineModel, t1: float) -> tuple[int | None, float]:
+        """Data-parallel replicas, each running every n-th request; the smallest n whose shard meets it."""
+        n, t = 1, t1
+        while t > self.deadline:
+            if n >= min(MAX_GPUS, len(self.work.items)):
+                return None, t
+            n = min(max(n + 1, math.ceil(n * t / self.deadline)), MAX_GPUS, len(self.work.items))
+            t = timeline(self.trace(blocks, n), cost.step_time).makespan_s
+        return n, t
+
+    def plan(self, gpus: list[GPU], kv_dtypes=DEFAULT_KV_DTYPES) -> dict:
+        rows = [self.row(g, d) for g in gpus for d in kv_dtypes]
+        w = self.work
+        return {"model": {"name": self.model.name, "params": self.model.num_params, "layers": self.model.num_layers,
+                          "kv_heads": self.model.kv_heads, "head_dim": self.model.head_dim,
+                          "max_context": self.model.max_context},
+                "job": {"requests": len(w.items), "rows_failing_before_generation": w.rows_failing,
+                        "prompt_tokens": sum(i.prompt_len for i in w.items), "output_tokens": w.output_tokens,
+                        "longest_request": self.longest, "mean_request": round(self.mean_len, 1)},
+                "settings": {"utilization": self.util, "deadline_s": self.deadline, "block_size": w.block_size,
+                             "max_num_seqs": w.max_num_seqs, "max_num_batched_tokens": w.max_num_batched_tokens,
+                             "prefix_caching": w.prefix_caching, "weights": "fp16", "data_parallel": True},
+                "rows": rows, "recommendation": recommend(rows, self.deadline)}
+
+
+def recommend(rows: list[dict], deadline: float | None) -> dict | None:
+    """The cheapest plan that fits (and meets the deadline); ties go to fewer GPUs, then shorter makespan."""
+    ok = [r for r in rows if r.get("fits") and r.get("meets_deadline")]
+    if not ok:
+        return None
+    ok.sort(key=lambda r: (r["cost_usd"], r["gpus"], r["makespan_s"]))
+    best = ok[0]
+    goal = f"meets the {_dur(deadline)} deadline" if deadline else "runs the job"
+    reason = (f"cheapest plan that {goal}: {best['gpus']} x {best['gpu']} with {best['kv_dtype']} KV, "
+              f"${best['cost_usd']:.4g} per job (${best['usd_per_million_output_tokens']:.4g} per M output tokens), "
+              f"makespan {_dur(best['makespan_s'])}")
+    other = next((r for r in ok[1:] if r["gpu"] != best["gpu"]), None)
+    if other:
+        reason += (f"; next: {other['gpus']} x {other['gpu']} {other['kv_dtype']} at ${other['cost_usd']:.4g} "
+                   f"(+{(other['cost_usd'] / max(best['cost_usd'], 1e-12) - 1) * 100:.0f}%)")
+    return {"gpu": best["gpu"], "kv_dtype": best["kv_dtype"], "gpus": best["gpus"], "reason": reason}
+
+
+def _dur(seconds: float) -> str:
+    return f"{seconds:.2f}s" if seconds < 120 else f"{seconds / 60:.1f}m" if seconds < 7200 else f"{seconds / 3600:.2f}h"
+
+
+def format_table(plan: dict) -> str:
+    m, j = plan["model"], plan["job"]
+    lines = [f"model {m['name']}: {m['params'] / 1e9:.3f} B params, {m['layers']} layers, {m['kv_heads']} KV heads, "
+             f"head_dim {m['head_dim']}, context {m['max_context']}",
+             f"job: {j['requests']} requests, {j['prompt_tokens']} prompt + {j['output_tokens']} output tokens, "
+             f"mean {j['mean_request']} / longest {j['longest_request']} tokens per request",
+             "", f"{'gpu':<11}{'kv':<8}{'B/tok':>7}{'wts GiB':>8}{'KV GiB':>8}{'blocks':>9}{'conc mix':>9}"
+             f"{'conc ctx':>9}{'decode ms':>10}{'prefill ms':>11}{'1-GPU h':>9}{'drain s':>9}{'GPUs':>6}"
+             f"{'h':>7}{'GPU-h':>8}{'$ job':>9}{'$/M out':>9}"]
+    for r in plan["rows"]:
+        head = (f"{r['gpu']:<11}{r['kv_dtype']:<8}{r['kv_bytes_per_token']:>7}{r['weights_gib']:>8.2f}"
+                f"{r['kv_budget_gib']:>8.2f}")
+        if not r["fits"]:
+            lines.append(f"{head}  does not fit: {r['reason']}")
+            continue
+        lines.append(f"{head}{r['blocks']:>9}{r['max_concurrency_mix']:>9}{r['max_concurrency_max_context']:>9}"
+                     f"{r['decode_step_ms']:>10.2f}{r['prefill_step_ms']:>11.2f}{_dur(r['makespan_1gpu_s']):>9}"
+                     f"{_dur(r['drain_s']):>9}" + (f"{'-':>6}  {r['reason']}" if r["gpus"] is None else
+                     f"{r['gpus']:>6}{_dur(r['makespan_s']):>9}{r['gpu_hours']:>10.3g}{r['cost_usd']:>10.3g}"
+                     f"{r['usd_per_million_output_tokens']:>9.4g}"))
+    rec = plan["recommendation"]
+    lines += ["", f"recommendation: {rec['reason']}" if rec else "recommendation: none of the GPU types fits or "
+              "meets the deadline; raise --deadline or add GPU types"]
+    return "\n".join(lines)

@@ -1,0 +1,146 @@
+"""Discrete-event simulation: the engine's real Scheduler and BlockManager, a cost model instead of a forward.
+
+Each simulated step is what Engine.step() does minus the model: schedule, advance every scheduled request by its
+tokens (caching full blocks for the prefix cache), append one output token to each request that caught up, and
+finish it once it has its output length. The step's shape (tokens, sequences, KV read) is recorded; a step-time
+model turns the trace into a timeline, so one trace serves every GPU type with the same pool size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from batchrun.engine.block_manager import BlockManager
+from batchrun.engine.request import Request, RequestStatus
+from batchrun.engine.scheduler import Scheduler, StepPlan
+from batchrun.planner.costmodel import StepShape
+from batchrun.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One request of the job: its prompt (token ids, or only a length) and how many tokens it will generate."""
+    prompt: tuple[int, ...] | int
+    output_tokens: int
+
+    @property
+    def prompt_len(self) -> int:
+        return self.prompt if isinstance(self.prompt, int) else len(self.prompt)
+
+
+@dataclass
+class Trace:
+    shapes: list[StepShape] = field(default_factory=list)
+    finished: list[int] = field(default_factory=list)      # requests finished at each step
+    out_tokens: list[int] = field(default_factory=list)    # output tokens produced at each step
+    running: list[int] = field(default_factory=list)       # running requests after each step's schedule
+    waiting: list[int] = field(default_factory=list)       # requests still waiting after each step's schedule
+    preemptions: int = 0
+
+    @property
+    def steps(self) -> int:
+        return len(self.shapes)
+
+
+def step_shape(plan: StepPlan) -> StepShape:
+    """The shape of a planned step, read before the requests advance (as the forward sees them)."""
+    tokens = kv = pairs = 0
+    for request, n in plan.scheduled:
+        done = request.num_computed_tokens
+        tokens += n
+        kv += done + n
+        pairs += n * done + n * (n + 1) // 2
+    return StepShape(tokens, len(plan.scheduled), kv, pairs)
+
+
+def fake_forward(scheduler: Scheduler, plan: StepPlan) -> list[Request]:
+    """Advance the plan's requests as a forward + sampler would (output token 0); returns the finished ones.
+    A request finishes when its output reaches params.max_tokens (the engine's 'length' finish)."""
+    finished = []
+    for request, n in plan.scheduled:
+        request.num_computed_tokens += n
+        scheduler.lane_of(request).block_manager.cache_full_blocks(request)
+        if request.num_computed_tokens == request.num_tokens:
+            request.token_ids.append(0)
+            if request.num_tokens - request.num_prompt_tokens >= request.params.max_tokens:
+                scheduler.finish(request)
+                request.status = RequestStatus.FINISHED
+                finished.append(request)
+    return finished
+
+
+def make_scheduler(num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                   prefix_caching: bool) -> Scheduler:
+    """One batch lane over one pool, as the engine builds it without an interactive lane."""
+    return Scheduler.single_lane(BlockManager(num_blocks, block_size, prefix_caching), max_num_seqs,
+                                 max_num_batched_tokens)
+
+
+def admission_keys(items: list[WorkItem], bucketing: bool, window: int, longest_first: bool) -> list[tuple]:
+    """The job runner's order keys: (window index, rank by prompt length) with bucketing, else arrival order."""
+    if not bucketing:
+        return [() for _ in items]
+    keys: list[tuple] = [()] * len(items)
+    for w, start in enumerate(range(0, len(items), window)):
+        idx = sorted(range(start, min(start + window, len(items))), key=lambda i: items[i].prompt_len,
+                     reverse=longest_first)
+        for rank, i in enumerate(idx):
+            keys[i] = (w, rank)
+    return keys
+
+
+def simulate(items: list[WorkItem], num_blocks: int, block_size: int = 16, max_num_seqs: int = 128,
+             max_num_batched_tokens: int = 1024, prefix_caching: bool = False, keys: list[tuple] | None = None,
+             max_steps: int = 5_000_000) -> Trace:
+    """Run every item through the real scheduler and block manager; the trace of step shapes.
+    Prefix caching needs real token ids (an int prompt becomes distinct dummy ids, so nothing is shared)."""
+    scheduler = make_scheduler(num_blocks, block_size, max_num_seqs, max_num_batched_tokens, prefix_caching)
+    keys = keys or [()] * len(items)
+    for i, item in enumerate(items):
+        ids = list(item.prompt) if not isinstance(item.prompt, int) else [1 + (i + j) % 30000
+                                                                           for j in range(item.prompt)]
+        if item.output_tokens < 1:
+            continue
+        scheduler.add(Request(str(i), ids, SamplingParams(max_tokens=item.output_tokens, temperature=0),
+                              order_key=keys[i], arrival_index=i))
+    trace = Trace()
+    while scheduler.has_unfinished():
+        plan = scheduler.schedule()
+        if not plan.scheduled:
+            raise RuntimeError("simulation: the scheduler planned no work; the pool cannot hold the next request "
+                               f"({num_blocks} blocks of {block_size} tokens)")
+        trace.shapes.append(step_shape(plan))
+        trace.running.append(len(scheduler.running))
+        trace.waiting.append(scheduler.num_waiting)
+        sampled = sum(1 for r, n in plan.scheduled if r.num_computed_tokens + n == r.num_tokens)
+        trace.finished.append(len(fake_forward(scheduler, plan)))
+        trace.out_tokens.append(sampled)
+        if trace.steps > max_steps:
+            raise RuntimeError(f"simulation: more than {max_steps} steps; the job is too large to simulate whole")
+    trace.preemptions = scheduler.num_preemptions
+    return trace
+
+
+@dataclass
+class Timeline:
+    makespan_s: float
+    drain_s: float            # from the last admission (waiting queue empty) to the end
+    output_tokens: int
+    step_times: list[float]
+
+    def progress(self, points: int = 50) -> list[tuple[float, float]]:
+        """(seconds, fraction of steps done): the job's predicted progress over time, for plots."""
+        total, acc, out = len(self.step_times), 0.0, []
+        stride = max(1, total // points)
+        for i, t in enumerate(self.step_times):
+            acc += t
+            if i % stride == 0 or i == total - 1:
+                out.append((acc, (i + 1) / total))
+        return out
+
+
+def timeline(trace: Trace, step_time) -> Timeline:
+    """Price every step of the trace with a step-time model (a callable StepShape -> seconds)."""
+    times = [step_time(s) for s in trace.shapes]
+    last_wait = max((i for i, w in enumerate(trace.waiting) if w), default=-1)
+    return Timeline(makespan_s=sum(times), drain_s=sum(times[last_wait + 1:]), output_tokens=sum(trace.out_tokens),
+                    step_times=times)
