@@ -160,6 +160,56 @@ def kvcheck(job, overrides, sample, kv_dtype) -> None:
     click.echo(json.dumps(report.as_dict(), indent=2))
 
 
+@main.command(help="Plan GPUs for JOB: per GPU type x KV dtype, KV capacity, predicted makespan (the real scheduler "
+                    "over a cost model), GPUs to meet --deadline, GPU-hours and cost; or --calibrate on this machine.")
+@click.argument("job", type=click.Path(dir_okay=False))
+@_SET
+@click.option("--gpu", "gpus", multiple=True, help="GPU type from the catalog (repeatable; default: all), e.g. H100.")
+@click.option("--kv-dtype", "kv_dtypes", multiple=True, help="KV dtype to compare (repeatable; default: float16, "
+              "int8, fp8).")
+@click.option("--deadline", help="Finish within this time: 6h, 90m, 1h30m, 2d, or a date-time 2030-01-31T06:00.")
+@click.option("--price", "prices", multiple=True, metavar="GPU=USD", help="$/GPU-hour override (repeatable).")
+@click.option("--catalog", type=click.Path(dir_okay=False), help="YAML file adding or overriding GPU entries.")
+@click.option("--model-config", help="Size for this model (directory, hub id or config.json) instead of the "
+              "job's model; prompts are still measured with the job's tokenizer.")
+@click.option("--utilization", type=float, default=0.9, show_default=True, help="Share of GPU memory used.")
+@click.option("--max-num-seqs", type=int, help="Seats per GPU (default: the job's engine.max_num_seqs).")
+@click.option("--calibrate", is_flag=True, help="Run a pilot of the job here, fit the step-time model and predict "
+              "the whole job on this machine.")
+@click.option("--pilot-fraction", type=float, default=0.2, show_default=True, help="Share of rows in the pilot.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+def plan(job, overrides, gpus, kv_dtypes, deadline, prices, catalog, model_config, utilization, max_num_seqs,
+         calibrate, pilot_fraction, as_json) -> None:
+    from batchrun.job import JobError
+    from batchrun.job.spec import JobSpec
+    from batchrun.planner import catalog as cat, plan as planner, workload
+    try:
+        spec = JobSpec.from_yaml(job, list(overrides))
+        trust = bool(spec.data["engine"]["trust_remote_code"])
+        model = workload.read_model_config(model_config or spec.data["model"], trust,
+                                           "--model-config" if model_config else "model")
+        work = workload.load_workload(spec, model, max_num_seqs)
+        if calibrate:
+            from batchrun.planner.calibrate import calibrate as run_calibration
+            report = run_calibration(spec, work, pilot_fraction)
+        else:
+            seconds = planner.parse_deadline(deadline) if deadline else None
+            chosen = cat.select(cat.load_catalog(catalog), list(gpus), cat.parse_prices(prices))
+            for d in kv_dtypes:
+                planner.kv_bytes_per_token(model, d)
+            report = planner.Planner(model, work, utilization, seconds).plan(
+                chosen, tuple(kv_dtypes) or planner.DEFAULT_KV_DTYPES)
+    except JobError as exc:
+        _fail(exc)
+    except ValueError as exc:
+        click.echo(f"batchrun: {exc}", err=True)
+        sys.exit(2)
+    if as_json or calibrate:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        click.echo(planner.format_table(report))
+
+
 @main.command(help="Show JOB's progress from its output directory: done, failed, remaining.")
 @click.argument("job", type=click.Path(dir_okay=False))
 @_SET
