@@ -1,0 +1,180 @@
+"""Planner: catalog, cost model, simulation over the real scheduler, plan table, bad input, calibration."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from batchrun.engine import kv_cache
+from batchrun.job.spec import JobSpec
+from batchrun.planner import catalog, plan as planner
+from batchrun.planner.calibrate import calibrate
+from batchrun.planner.costmodel import ModelSpec, RooflineModel, StepShape, fit_linear
+from batchrun.planner.simulate import WorkItem, simulate, timeline
+from batchrun.planner.workload import Workload, load_workload, read_model_config
+from jobkit import cli, write_job, write_prompts
+
+LLAMA3_8B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=32,
+                 intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192, tie_word_embeddings=False)
+LLAMA3_70B = dict(LLAMA3_8B, hidden_size=8192, num_attention_heads=64, num_hidden_layers=80, intermediate_size=28672)
+
+
+def work(n=60, prompt=200, out=50, seqs=64, **kw) -> Workload:
+    items = [WorkItem(prompt + (i * 37) % prompt, out + (i * 13) % out) for i in range(n)]
+    return Workload(items, [()] * n, 16, seqs, 2048, False, **kw)
+
+
+def test_catalog_has_the_gpus_with_sources_and_user_overrides(tmp_path):
+    cat = catalog.load_catalog()
+    for name in ("H100-80GB", "H200-141GB", "A100-40GB", "A100-80GB", "L40S", "L4", "A10G"):
+        gpu = cat[name]
+        assert gpu.memory_gb > 0 and gpu.bandwidth_gbs > 0 and gpu.fp16_tflops > 0 and gpu.price_per_hour > 0
+        assert "datasheet" in gpu.source and "price" in gpu.source
+    user = tmp_path / "gpus.yaml"
+    user.write_text("L4: {price_per_hour: 0.5}\nMI300X: {memory_gb: 192, bandwidth_gbs: 5300, fp16_tflops: 1307, "
+                    "fp8_tflops: 2615, price_per_hour: 4.0, source: AMD MI300X datasheet}\n")
+    cat = catalog.load_catalog(str(user))
+    assert cat["L4"].price_per_hour == 0.5 and cat["L4"].memory_gb == 24 and cat["MI300X"].memory_gb == 192
+    assert catalog.lookup(cat, "h100").name == "H100-80GB"
+    assert catalog.select(cat, ["L40S"], {"l40s": 2.0})[0].price_per_hour == 2.0
+    with pytest.raises(ValueError, match="--gpu: unknown GPU 'B300'"):
+        catalog.lookup(cat, "B300")
+    with pytest.raises(ValueError, match="--gpu: unknown GPU 'A100'"):   # ambiguous prefix
+        catalog.lookup(cat, "A100")
+    with pytest.raises(ValueError, match="--price"):
+        catalog.parse_prices(["L4=free"])
+    user.write_text("X1: {memory_gb: -1, bandwidth_gbs: 1, fp16_tflops: 1, price_per_hour: 1, source: s}\n")
+    with pytest.raises(ValueError, match="X1.memory_gb: must be a positive number"):
+        catalog.load_catalog(str(user))
+
+
+def test_model_spec_counts_parameters_from_the_config():
+    assert abs(ModelSpec.from_config(LLAMA3_8B).num_params / 1e9 - 8.03) < 0.01
+    assert abs(ModelSpec.from_config(LLAMA3_70B).num_params / 1e9 - 70.55) < 0.05
+    tied = ModelSpec.from_config(dict(LLAMA3_8B, tie_word_embeddings=True))
+    assert tied.num_params == ModelSpec.from_config(LLAMA3_8B).num_params - 128256 * 4096
+    with pytest.raises(ValueError, match="model: the config"):
+        ModelSpec.from_config({"hidden_size": 64})
+
+
+def test_kv_bytes_per_token_include_scales_and_match_the_engine():
+    m = ModelSpec.from_config(LLAMA3_8B)
+    assert planner.kv_bytes_per_token(m, "float16") == 2 * 32 * 8 * 128 * 2
+    assert planner.kv_bytes_per_token(m, "int8") == 2 * 32 * 8 * (128 + 4)
+    assert planner.kv_bytes_per_token(m, "fp8") == kv_cache.bytes_per_token(32, 8, 128, torch.float8_e4m3fn)
+
+
+def test_roofline_decode_is_bandwidth_bound_and_prefill_compute_bound():
+    cost = RooflineModel(ModelSpec.from_config(LLAMA3_8B), catalog.load_catalog()["H100-80GB"], 131072)
+    mem, compute = cost.parts(StepShape(1, 1, 1000, 1000))
+    assert mem > 10 * compute and 0.004 < cost.decode_step(1, 1000) < 0.01      # ~16 GB / 3.35 TB/s
+    mem, compute = cost.parts(StepShape(4096, 1, 4096, 4096 * 4097 // 2))
+    assert compute > mem
+    assert cost.decode_step(64, 2000) > cost.decode_step(64, 500) > cost.decode_step(1, 500)
+
+
+def test_simulation_drives_the_real_scheduler_and_produces_every_output_token():
+    items = work().items
+    roomy = simulate(items, 10_000, 16, 64, 2048)
+    assert sum(roomy.out_tokens) == sum(i.output_tokens for i in items) and sum(roomy.finished) == len(items)
+    assert roomy.preemptions == 0 and max(roomy.running) <= 64
+    tight = simulate(items, 60, 16, 64, 2048)        # 960 tokens: a few requests at a time, with preemption
+    assert sum(tight.out_tokens) == sum(i.output_tokens for i in items)
+    assert max(tight.running) < 10 and tight.steps > roomy.steps
+    line = timeline(roomy, lambda s: 0.001 + 1e-6 * s.tokens)
+    assert line.makespan_s == pytest.approx(sum(0.001 + 1e-6 * s.tokens for s in roomy.shapes))
+    assert 0 < line.drain_s <= line.makespan_s and line.progress()[-1][1] == 1.0
+
+
+def test_plan_table_deadline_cost_and_recommendation():
+    model = ModelSpec.from_config(LLAMA3_8B)
+    p = planner.Planner(model, work(n=200, prompt=1000, out=300), deadline_s=20.0)
+    report = p.plan(catalog.select(catalog.load_catalog(), ["H100", "L4", "A10G"]))
+    rows = {(r["gpu"], r["kv_dtype"]): r for r in report["rows"]}
+    h100, h100_int8 = rows[("H100-80GB", "float16")], rows[("H100-80GB", "int8")]
+    assert h100_int8["blocks"] == pytest.approx(h100["blocks"] * 256 / 132, rel=1e-3)   # int8 + fp32 scales
+    assert h100["weights_gib"] == pytest.approx(model.num_params * 2 / 2**30)
+    assert h100["max_concurrency_max_context"] == h100["kv_tokens"] // 8192
+    for r in (h100, h100_int8):
+        assert r["fits"] and r["meets_deadline"] and r["makespan_s"] <= 20.0 and r["gpus"] >= 1
+        assert r["cost_usd"] == pytest.approx(r["gpus"] * r["makespan_s"] / 3600 * r["price_per_hour"])
+        assert r["drain_s"] <= r["makespan_1gpu_s"]
+    assert h100["gpus"] > 1 and h100["makespan_1gpu_s"] > 20.0, h100
+    # 16 GB of weights leaves no room on a 24 GB card at 0.9 utilisation with activations: per type, not a failure
+    assert rows[("L4", "float16")]["fits"] in (True, False)
+    rec = report["recommendation"]
+    assert rec and (rec["gpu"], rec["kv_dtype"]) in rows and "cheapest" in rec["reason"]
+    best = rows[(rec["gpu"], rec["kv_dtype"])]
+    assert all(best["cost_usd"] <= r["cost_usd"] for r in report["rows"] if r.get("meets_deadline"))
+    assert "recommendation" in planner.format_table(report)
+
+
+def test_types_that_do_not_fit_are_reported_per_type():
+    big = ModelSpec.from_config(LLAMA3_70B)
+    report = planner.Planner(big, work()).plan(catalog.select(catalog.load_catalog(), ["L4", "H200"]))
+    # 141 GB of fp16 weights: more than 90% of even an H200 (no tensor parallelism in the plan)
+    assert all(not r["fits"] and "weights" in r["reason"] for r in report["rows"])
+    assert report["recommendation"] is None and "none of the GPU types" in planner.format_table(report)
+    long = work(n=3, prompt=100_000, out=10)
+    report = planner.Planner(ModelSpec.from_config(dict(LLAMA3_8B, max_position_embeddings=300_000)), long).plan(
+        catalog.select(catalog.load_catalog(), ["A10G", "H200"]))
+    a10g = [r for r in report["rows"] if r["gpu"] == "A10G"]
+    assert all(not r["fits"] and "longest request" in r["reason"] for r in a10g)
+    assert "does not fit" in planner.format_table(report)
+
+
+def test_deadline_parsing():
+    assert planner.parse_deadline("6h") == 6 * 3600
+    assert planner.parse_deadline("1h30m") == 5400
+    assert planner.parse_deadline("2030-01-01T00:00", now=0) > 0
+    for bad, msg in (("soon", "cannot parse"), ("2001-01-01T00:00", "in the past"), ("0h", "positive")):
+        with pytest.raises(ValueError, match=f"--deadline: .*{msg}"):
+            planner.parse_deadline(bad)
+
+
+def test_fit_recovers_a_linear_step_time_and_reports_held_out_error():
+    shapes = [StepShape(t, 8, c, c) for t, c in ((10 + (i * 37) % 400, 500 + (i * 7919) % 20000) for i in range(60))]
+    times = [0.002 + 1e-5 * s.tokens + 2e-7 * s.kv_tokens for s in shapes]
+    model = fit_linear(shapes, times)
+    assert model.a == pytest.approx(0.002, rel=1e-3) and model.b == pytest.approx(1e-5, rel=1e-3)
+    assert model.heldout_error < 0.1
+    with pytest.raises(ValueError, match="calibration"):
+        fit_linear(shapes[:3], times[:3])
+
+
+def test_plan_command_on_a_job(tmp_path, tiny_model):
+    write_prompts(tmp_path / "in.parquet", n=20)
+    job = write_job(tmp_path, tiny_model[0])
+    out = cli("plan", job, "--gpu", "L4", "--gpu", "H100", "--deadline", "1h", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["job"]["requests"] == 20 and len(report["rows"]) == 6 and report["recommendation"]
+    assert report["model"]["layers"] == 2
+    table = cli("plan", job, "--gpu", "A10G", "--price", "A10G=0.5")
+    assert table.returncode == 0 and "A10G" in table.stdout and "recommendation" in table.stdout
+    bad = cli("plan", job, "--gpu", "Z80")
+    assert bad.returncode == 2 and "--gpu: unknown GPU 'Z80'" in bad.stderr
+    bad = cli("plan", job, "--deadline", "yesterday")
+    assert bad.returncode == 2 and "--deadline" in bad.stderr
+    bad = cli("plan", job, "--model-config", str(tmp_path / "missing.json"))
+    assert bad.returncode == 2 and "--model-config: cannot read the model config" in bad.stderr
+
+
+def test_calibration_predicts_the_job_from_a_pilot(tmp_path, tiny_model):
+    """Pilot on 20% of the rows, predict the whole job's stepping time, run the job, compare (generous bound:
+    the tiny model's steps are a few ms of Python on a shared CPU)."""
+    from batchrun.job import Job
+    write_prompts(tmp_path / "in.parquet", n=60)
+    job = write_job(tmp_path, tiny_model[0], sampling={"max_tokens": 12, "ignore_eos": True},
+                    engine={"max_num_seqs": 8})
+    spec = JobSpec.from_yaml(job)
+    model = read_model_config(spec.data["model"])
+    report = calibrate(spec, load_workload(spec, model), 0.2)
+    assert report["pilot"]["requests"] == 12 and report["fit"]["steps"] >= 10
+    predicted = report["predicted"]["makespan_s"]
+    result = Job.from_yaml(job).run(progress="log")
+    measured = result.summary["wall_s"]
+    print(f"calibration: predicted {predicted:.3f}s, measured {measured:.3f}s, fit {report['fit']}")
+    assert report["predicted"]["output_tokens"] == 60 * 12
+    assert 0.4 < predicted / measured < 2.5, (predicted, measured)
