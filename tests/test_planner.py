@@ -165,6 +165,15 @@ def test_calibration_predicts_the_job_from_a_pilot(tmp_path, tiny_model):
     """Pilot on 20% of the rows, predict the whole job's stepping time, run the job, compare (generous bound:
     the tiny model's steps are a few ms of Python on a shared CPU)."""
     from batchrun.job import Job
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # on a shared 2-core machine, two spinning threads turn others' load into stalls
+    try:
+        _calibrate_and_run(tmp_path, tiny_model, Job)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _calibrate_and_run(tmp_path, tiny_model, Job):
     write_prompts(tmp_path / "in.parquet", n=60)
     job = write_job(tmp_path, tiny_model[0], sampling={"max_tokens": 12, "ignore_eos": True},
                     engine={"max_num_seqs": 8})

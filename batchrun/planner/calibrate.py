@@ -62,6 +62,8 @@ def calibrate(spec: JobSpec, work: Workload, fraction: float = 0.2, llm=None) ->
     shapes, times = [s for s, t in zip(shapes, times) if s.tokens][WARMUP_STEPS:], \
         [t for s, t in zip(shapes, times) if s.tokens][WARMUP_STEPS:]
     model = fit_linear(shapes, times)
+    # the fit gives the shape of the step time; the pilot's total gives its level, stalls of this machine included
+    model.scale = sum(times) / max(sum(model.step_time(s) for s in shapes), 1e-12)
     # expected output lengths: measured for pilot rows; the pilot's finish ratios, in turn, for the others
     ratios = [n / max(i.output_tokens, 1) for n, i in zip(lengths, pilot)]
     measured = dict(zip(picked, lengths))
@@ -84,4 +86,4 @@ def calibrate(spec: JobSpec, work: Workload, fraction: float = 0.2, llm=None) ->
 
 def fitted(report: dict) -> LinearModel:
     f = report["fit"]
-    return LinearModel(f["a_s"], f["b_s_per_token"], f["c_s_per_context_token"])
+    return LinearModel(f["a_s"], f["b_s_per_token"], f["c_s_per_context_token"], scale=f["scale"])

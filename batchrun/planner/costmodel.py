@@ -118,13 +118,15 @@ class LinearModel:
     heldout_error: float = 0.0     # ... on held-out steps
     heldout_total_error: float = 0.0  # % error of the summed time of the held-out steps
     steps: int = 0
+    outliers: int = 0              # training steps dropped as stalls before the final fit
+    scale: float = 1.0             # measured / fitted time over every pilot step: the stalls put back in the level
 
     def step_time(self, s: StepShape) -> float:
-        return max(self.a + self.b * s.tokens + self.c * s.kv_tokens, 0.0)
+        return self.scale * max(self.a + self.b * s.tokens + self.c * s.kv_tokens, 0.0)
 
     def to_dict(self) -> dict:
         return {"a_s": self.a, "b_s_per_token": self.b, "c_s_per_context_token": self.c, "steps": self.steps,
-                "train_mape_pct": round(self.train_error, 2), "heldout_mape_pct": round(self.heldout_error, 2),
+                "outliers": self.outliers, "scale": round(self.scale, 4), "train_mape_pct": round(self.train_error, 2), "heldout_mape_pct": round(self.heldout_error, 2),
                 "heldout_total_error_pct": round(self.heldout_total_error, 2)}
 
 
@@ -140,13 +142,28 @@ def fit_linear(shapes: list[StepShape], times: list[float], holdout_every: int =
     x = np.array([[1.0, s.tokens, s.kv_tokens] for s in shapes])
     y = np.array(times, dtype=float)
     held = np.arange(len(y)) % holdout_every == holdout_every - 1
-    coef, *_ = np.linalg.lstsq(x[~held], y[~held], rcond=None)
-    if coef[1] < 0 or coef[2] < 0:   # noise made a slope negative: refit without it (times never fall with work)
-        keep = [0] + [i for i in (1, 2) if coef[i] >= 0]
-        sub, *_ = np.linalg.lstsq(x[~held][:, keep], y[~held], rcond=None)
-        coef = np.zeros(3)
-        coef[keep] = np.maximum(sub, 0.0)
+    train = ~held
+    for _ in range(3):   # a shared CPU stalls now and then: drop steps far off the fit (3 robust sigmas), refit
+        coef = _lstsq(x[train], y[train])
+        res = y - x @ coef
+        sigma = 1.4826 * np.median(np.abs(res[train])) + 1e-9
+        keep = ~held & (np.abs(res) <= 3 * sigma)
+        if keep.sum() < 3 or (keep == train).all():
+            break
+        train = keep
     pred = x @ coef
     total = abs(pred[held].sum() - y[held].sum()) / max(y[held].sum(), 1e-9) * 100
-    return LinearModel(*map(float, coef), train_error=_mape(pred[~held], y[~held]),
-                       heldout_error=_mape(pred[held], y[held]), heldout_total_error=float(total), steps=len(y))
+    return LinearModel(*map(float, coef), train_error=_mape(pred[train], y[train]),
+                       heldout_error=_mape(pred[held], y[held]), heldout_total_error=float(total), steps=len(y),
+                       outliers=int((~held & ~train).sum()))
+
+
+def _lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with non-negative slopes (time never falls with more work): a negative one is dropped."""
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    if coef[1] < 0 or coef[2] < 0:
+        keep = [0] + [i for i in (1, 2) if coef[i] >= 0]
+        sub, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
+        coef = np.zeros(3)
+        coef[keep] = np.maximum(sub, 0.0)
+    return coef
