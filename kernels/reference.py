@@ -6,6 +6,8 @@ Values are dequantized / converted to the query's dtype on read.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -32,16 +34,41 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
         _as_bits(cache).view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, _as_bits(rows.to(cache.dtype)))
 
 
+class Workspace:
+    """Scratch memory reused across layers and steps for gathered K/V. A fresh allocation of tens of MB is
+    mapped anew by the C allocator each time and page-faults on first touch: about 4x slower than the copy."""
+
+    def __init__(self):
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        numel = math.prod(shape)
+        buf = self._buffers.get((name, dtype, device))
+        if buf is None or buf.numel() < numel:
+            buf = self._buffers[(name, dtype, device)] = torch.empty(numel + numel // 4, dtype=dtype, device=device)
+        return buf[:numel].view(shape)
+
+
 def _gather_rows(cache: torch.Tensor, scales: torch.Tensor | None, block_tables: torch.Tensor, length: int,
-                 dtype: torch.dtype) -> torch.Tensor:
+                 dtype: torch.dtype, workspace: Workspace | None = None, name: str = "") -> torch.Tensor:
     """[B, max_blocks] block tables -> [B, length, kv_heads, head_dim] in `dtype`, dequantized."""
     batch = block_tables.shape[0]
     num_blocks = min(block_tables.shape[1], -(-length // cache.shape[1]))
-    tables = block_tables[:, :num_blocks]
-    rows = _as_bits(cache)[tables].view(cache.dtype).view(batch, -1, *cache.shape[2:])[:, :length]
+    tables = block_tables[:, :num_blocks].reshape(-1)
+    bits = _as_bits(cache)
+    flat = bits.view(bits.shape[0], -1)
+    out = None if workspace is None else workspace.get(name, (tables.numel(), flat.shape[1]), flat.dtype,
+                                                       flat.device)
+    rows = torch.index_select(flat, 0, tables, out=out).view(cache.dtype)
+    rows = rows.view(batch, -1, *cache.shape[2:])[:, :length]
+    if scales is None and rows.dtype == dtype:
+        return rows
+    converted = (torch.empty(rows.shape, dtype=dtype, device=rows.device) if workspace is None
+                 else workspace.get(name + ".float", tuple(rows.shape), dtype, rows.device))
+    converted.copy_(rows)
     if scales is not None:
-        return quant.dequantize(rows, scales[tables].view(batch, -1, scales.shape[-1])[:, :length], dtype)
-    return rows.to(dtype)
+        converted.mul_(scales[tables].view(batch, -1, scales.shape[-1])[:, :length, :, None])
+    return converted
 
 
 def gather_kv(cache: torch.Tensor, scales: torch.Tensor | None, block_tables: torch.Tensor, length: int,
@@ -53,14 +80,14 @@ def gather_kv(cache: torch.Tensor, scales: torch.Tensor | None, block_tables: to
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                           max_len: int | None = None) -> torch.Tensor:
+                           max_len: int | None = None, workspace: Workspace | None = None) -> torch.Tensor:
     """One query token per request. query [B, heads, d]; context_lens [B] count the query token itself."""
     batch, heads, dim = query.shape
     max_len = max_len or int(context_lens.max())
     # Gathered rows stay [B, L, kv_heads, d]; each KV head's keys are a strided [B, L, d] view that batched
     # matrix products read without another copy.
-    keys = _gather_rows(k_cache, k_scale, block_tables, max_len, query.dtype)
-    values = _gather_rows(v_cache, v_scale, block_tables, max_len, query.dtype)
+    keys = _gather_rows(k_cache, k_scale, block_tables, max_len, query.dtype, workspace, "k")
+    values = _gather_rows(v_cache, v_scale, block_tables, max_len, query.dtype, workspace, "v")
     kv_heads = keys.shape[2]
     q = query.view(batch, kv_heads, heads // kv_heads, dim) * scale
     pad = torch.arange(max_len, device=query.device)[None, None, :] >= context_lens[:, None, None]

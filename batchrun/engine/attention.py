@@ -51,6 +51,9 @@ class TorchAttentionBackend:
 
     name = "torch"
 
+    def __init__(self):
+        self.workspace = reference.Workspace()   # shared by all layers: one backend object per model
+
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: LayerCache,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """query [T, heads, d], key/value [T, kv_heads, d] -> [T, heads, d]."""
@@ -60,7 +63,7 @@ class TorchAttentionBackend:
         for group in meta.decode_groups:
             out[group.start:group.end] = reference.paged_decode_attention(
                 query[group.start:group.end], k, v, group.block_tables, group.context_lens, scale, k_scale, v_scale,
-                group.max_len)
+                group.max_len, self.workspace)
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             out[rows] = reference.paged_prefill_attention(query[rows], k, v, chunk.block_table, chunk.context_len,

@@ -25,11 +25,11 @@ def _is_single_prompt(prompts: Any) -> bool:
 
 class LLM:
     def __init__(self, model: str = "smollm2-135m", **engine_options):
+        admission_key = engine_options.pop("admission_key", None)
         unknown = set(engine_options) - set(EngineConfig.field_names())
         if unknown:
             raise TypeError(f"LLM: unknown option(s) {', '.join(sorted(unknown))}; "
                             f"allowed: {', '.join(EngineConfig.field_names())}")
-        admission_key = engine_options.pop("admission_key", None)
         self.engine = Engine(EngineConfig(model=model, **engine_options),
                              **({"admission_key": admission_key} if admission_key else {}))
         self.max_pending_submits = 256
