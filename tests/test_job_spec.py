@@ -82,3 +82,12 @@ def test_validate_reports_without_loading_the_model(tmp_path, tiny_model, monkey
     # tiny Llama: 2 layers x 2 KV heads x head_dim 16 x float32, K and V
     assert report["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4
     assert report["output_state"] == "new" and not (tmp_path / "out").exists()
+
+
+def test_engine_section_accepts_interactive_lane_options(tmp_path, tiny_model):
+    from batchrun.job.spec import JobSpec
+    from jobkit import write_job
+    job = write_job(tmp_path, tiny_model[0], engine={"interactive_lane": True, "interactive_kv_memory": "1MiB",
+                                                     "interactive_max_num_seqs": 2})
+    options = JobSpec.from_yaml(job).engine_options
+    assert options["interactive_lane"] is True and options["interactive_max_num_seqs"] == 2
