@@ -49,6 +49,10 @@ class EngineConfig:
     interactive_kv_cache_dtype: str = "auto"
     interactive_max_num_seqs: int = 8
     interactive_token_share: float = 0.5             # at most this share of a step's tokens; batch keeps the rest
+    # While interactive requests are in the engine, the batch lane computes at most this many tokens per step
+    # (None: what the interactive lane leaves). Where step time grows with every token (CPUs), a small cap keeps
+    # interactive latency near an idle engine's, at a cost in batch throughput while interactive traffic lasts.
+    batch_tokens_while_interactive: int | None = None
 
     def __post_init__(self):
         self.kv_cache_bytes = None if self.kv_cache_memory is None else parse_memory(self.kv_cache_memory)
@@ -68,8 +72,10 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
-        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len <= 0):
-            raise ValueError(f"max_model_len: must be a positive integer, got {self.max_model_len!r}")
+        for name in ("max_model_len", "batch_tokens_while_interactive"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization!r}")
 

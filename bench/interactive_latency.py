@@ -11,6 +11,8 @@ and reports time to first token (TTFT) and time per output token after the first
 Scenarios, in one run:
   idle    no batch work; lanes off
   lanes   batch job + interactive requests on the interactive lane (LLM(interactive_lane=True))
+  capped  lanes, and the batch lane limited to --batch-tokens-while-interactive tokens per step while interactive
+          requests run (LLM(batch_tokens_while_interactive=N))
   fifo    batch job + the same requests sent with lane="batch": one shared pool, first come first served
 Batch throughput is batch output tokens/s over a window of the same length with and without the client.
 """
@@ -146,7 +148,7 @@ def run_window(llm, feed: BatchFeed | None, client_cmd: list[str] | None, second
     return result
 
 
-def make_llm(args, lanes: bool):
+def make_llm(args, lanes: bool, capped: bool):
     from batchrun import LLM
     options = dict(kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens)
@@ -154,12 +156,14 @@ def make_llm(args, lanes: bool):
         options["max_model_len"] = args.max_model_len
     if lanes:
         options.update(interactive_lane=True, interactive_kv_memory=args.interactive_kv_memory)
+    if capped:
+        options["batch_tokens_while_interactive"] = args.batch_tokens_while_interactive
     return LLM(model=args.model, **options)
 
 
-def scenario(args, lanes: bool, lane: str, with_batch: bool, rows: list[dict]) -> dict:
+def scenario(args, lanes: bool, capped: bool, lane: str, with_batch: bool, rows: list[dict]) -> dict:
     from batchrun.server import ServerThread, create_app
-    llm = make_llm(args, lanes)
+    llm = make_llm(args, lanes, capped)
     llm.max_pending_submits = 4 * args.requests
     server = ServerThread(create_app(llm, model_name="bench", lane=lane)).start()
     feed = None
@@ -198,7 +202,9 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    ap.add_argument("--scenarios", default="idle,lanes,fifo")
+    ap.add_argument("--batch-tokens-while-interactive", type=int, default=16,
+                    help="the batch lane's per-step token cap while interactive requests run (scenario 'capped')")
+    ap.add_argument("--scenarios", default="idle,lanes,capped,fifo")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     if args.client:
@@ -208,14 +214,16 @@ def main() -> None:
     rows = pq.read_table(args.data).slice(0, args.rows).to_pylist()
     results = {"config": {k: v for k, v in vars(args).items() if k not in ("client", "json")}}
     for name in args.scenarios.split(","):
-        lanes, lane, with_batch = {"idle": (False, "interactive", False), "lanes": (True, "interactive", True),
-                                   "fifo": (False, "batch", True)}[name]
+        lanes, capped, lane, with_batch = {"idle": (False, False, "interactive", False),
+                                           "lanes": (True, False, "interactive", True),
+                                           "capped": (True, True, "interactive", True),
+                                           "fifo": (False, False, "batch", True)}[name]
         t = time.perf_counter()
-        results[name] = scenario(args, lanes, lane, with_batch, rows)
+        results[name] = scenario(args, lanes, capped, lane, with_batch, rows)
         print(f"{name}: {json.dumps(results[name])} ({time.perf_counter() - t:.0f}s)", file=sys.stderr, flush=True)
     summary = {}
     idle = results.get("idle", {}).get("interactive", {})
-    for name in ("lanes", "fifo"):
+    for name in ("lanes", "capped", "fifo"):
         if name in results:
             r = results[name]
             summary[name] = {"ttft_p95_vs_idle": (round(r["interactive"]["ttft_p95_s"] / idle["ttft_p95_s"], 2)

@@ -19,7 +19,8 @@ def test_bad_sampling_params(kwargs, field):
     (dict(kv_cache_memory=0), "kv_cache_memory: must be a positive"),
     (dict(kv_cache_dtype="int4"), "kv_cache_dtype: unknown value 'int4'; allowed"),
     (dict(block_size=0), "block_size"), (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
-    (dict(attention_backend="cuda-magic"), "attention_backend")])
+    (dict(attention_backend="cuda-magic"), "attention_backend"),
+    (dict(batch_tokens_while_interactive=0), "batch_tokens_while_interactive: must be a positive integer")])
 def test_bad_engine_config(kwargs, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**kwargs)

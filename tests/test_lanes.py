@@ -64,3 +64,27 @@ def test_batch_never_preempts_interactive(tiny_model):
         llm.engine.step()
         assert llm.engine.stats.preemptions == 0
         assert not llm.engine.scheduler.lanes[1].running   # no seat left for batch until interactive finishes
+
+
+def test_batch_lane_yields_to_interactive_requests_down_to_its_cap(tiny_model):
+    path, model = tiny_model
+    llm = lane_llm(path, max_num_batched_tokens=64, batch_tokens_while_interactive=2)
+    prompts = random_prompts([9, 10, 11, 12, 7], seed=7)
+    batch = [llm.engine.add_request(p, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+             for p in prompts[:4]]
+    llm.engine.step()
+    assert [r.num_computed_tokens for r in batch] == [9, 10, 11, 12]   # alone: the whole budget
+    chat = llm.engine.add_request(prompts[4], GREEDY, lane="interactive")
+    done = {}
+    while llm.engine.scheduler.lanes[0].running or llm.engine.scheduler.lanes[0].waiting:
+        before = sum(r.num_computed_tokens for r in batch)
+        done.update({o.request_id: o for o in llm.engine.step() if o.finished})
+        assert sum(r.num_computed_tokens for r in batch) - before <= 2   # batch keeps two tokens a step
+    after_chat = sum(r.num_computed_tokens for r in batch)
+    llm.engine.step()
+    assert sum(r.num_computed_tokens for r in batch) - after_chat == 4   # the interactive lane is empty again
+    while llm.engine.has_unfinished():
+        done.update({o.request_id: o for o in llm.engine.step() if o.finished})
+    assert done[chat.request_id].token_ids == reference_greedy(model, prompts[4], 8)
+    for request, prompt in zip(batch, prompts):
+        assert done[request.request_id].token_ids == reference_greedy(model, prompt, 20)

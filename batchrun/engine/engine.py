@@ -98,7 +98,8 @@ class Engine:
             if name == "batch":
                 self.kv_bytes_per_token = per_token
             lanes.append(Lane(name, BlockManager(num_blocks, config.block_size, config.enable_prefix_caching),
-                              max_seqs, token_cap, WaitingQueue(admission_key)))
+                              max_seqs, token_cap, WaitingQueue(admission_key),
+                              yield_cap=config.batch_tokens_while_interactive if name == "batch" else None))
             pools.append((num_blocks, dtype))
         self.runner.allocate_kv(pools)
         self._pool_index = {lane.name: i for i, lane in enumerate(lanes)}

@@ -69,6 +69,7 @@ class Lane:
     token_cap: int
     waiting: WaitingQueue
     running: list[Request] = field(default_factory=list)   # admission order: the last is preempted first
+    yield_cap: int | None = None   # the token cap in steps where a higher lane has requests (None: token_cap)
 
 
 class Scheduler:
@@ -104,13 +105,15 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
-        budget = self.max_num_batched_tokens
+        budget, busy_above = self.max_num_batched_tokens, False
         for lane in self.lanes:
-            lane_budget = min(budget, lane.token_cap)
+            cap = lane.token_cap if not busy_above or lane.yield_cap is None else min(lane.token_cap, lane.yield_cap)
+            lane_budget = min(budget, cap)
             used = self._schedule_running(lane, lane_budget, plan)
             if not plan.preempted:   # a full pool would only preempt again
                 used += self._admit(lane, lane_budget - used, plan)
             budget -= used
+            busy_above = busy_above or bool(lane.running or lane.waiting)
         return plan
 
     def _schedule_running(self, lane: Lane, budget: int, plan: StepPlan) -> int:

@@ -24,7 +24,7 @@ SCHEMA: dict[str, dict[str, tuple]] = {
                "gpu_memory_utilization": (_NUM, None), "attention_backend": (_STR, None), "lane": (_STR, "batch"),
                "interactive_lane": (_BOOL, None), "interactive_kv_memory": ((str, int), None),
                "interactive_kv_cache_dtype": (_STR, None), "interactive_max_num_seqs": (_INT, None),
-               "interactive_token_share": (_NUM, None)},
+               "interactive_token_share": (_NUM, None), "batch_tokens_while_interactive": (_INT, None)},
     "input": {"path": (_STR, None), "format": (_STR, "auto"), "id_column": (_STR, "id"),
               "prompt_column": (_STR, None), "template": (_STR, None), "messages_column": (_STR, None),
               "chat": (_BOOL, False), "system_prompt": (_STR, None), "truncate": (_STR, "none"),
