@@ -113,3 +113,22 @@ def test_submit_streams_from_another_thread(tiny_llm):
         tiny_llm.stop_background()
     assert not tiny_llm.has_unfinished()
     assert tiny_llm.engine.block_manager.num_free_blocks == tiny_llm.engine.num_blocks
+
+
+def test_handle_text_deltas_add_up_without_broken_characters():
+    """Streaming decodes a short window per token; the deltas still join to the full decode, and a multi-byte
+    character split across byte-level tokens arrives whole."""
+    from batchrun.engine.handles import RequestHandle
+    from batchrun.engine.request import RequestOutput
+    from conftest import tiny_tokenizer
+    tok = tiny_tokenizer()
+    ids = tok.encode("Paris ist schön: café, naïve — 東京 🙂 The quick brown fox.")
+    full = tok.decode(ids, skip_special_tokens=True)
+    handle = RequestHandle("r", tok, cancel=lambda _: None)
+    for n in range(1, len(ids)):
+        handle._push(RequestOutput("r", 3, ids[:n], None, False, None))
+    handle._push(RequestOutput("r", 3, ids, full, True, "stop"))
+    chunks = list(handle.stream(timeout=1))
+    assert "".join(c.new_text for c in chunks) == full
+    assert not any("\ufffd" in c.new_text for c in chunks)
+    assert sum(1 for c in chunks if c.new_text) > len(full.split()) // 2   # text flows while streaming

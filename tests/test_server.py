@@ -261,3 +261,27 @@ def test_stop_string_prefix_is_held_back_while_streaming():
     assert hold_back_stop_prefix("Hello w", ["xyz", "wo"]) == "Hello "
     assert hold_back_stop_prefix("Hello", ["world"]) == "Hello"
     assert hold_back_stop_prefix("ab", []) == "ab"
+
+
+def test_a_failed_engine_step_fails_waiting_requests_and_health(tiny_model, monkeypatch):
+    from batchrun import SamplingParams
+    llm = LLM(model=tiny_model[0], kv_cache_memory="4MiB", block_size=4)
+
+    def lost():
+        raise RuntimeError("device lost")
+    monkeypatch.setattr(llm.engine, "step", lost)
+    server = ServerThread(create_app(llm, model_name="tiny")).start()
+    try:
+        handle = llm.submit("hello", SamplingParams(max_tokens=3))
+        llm.start_background()
+        out = handle.result(timeout=10)
+        assert out.finish_reason == "error" and "device lost" in out.error and not llm.healthy
+        health = httpx.get(server.url + "/health", timeout=10)
+        assert health.status_code == 503 and "device lost" in health.json()["status"]
+        refused = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10)
+        assert refused.status_code == 503 and "engine failed" in refused.text
+        with pytest.raises(RuntimeError, match="engine failed"):
+            llm.submit("again")
+    finally:
+        server.stop()
+        llm.stop_background()

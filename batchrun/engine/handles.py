@@ -37,6 +37,7 @@ class RequestHandle:
         self._result: RequestOutput | None = None
         self._sent_tokens = 0
         self._sent_text = ""
+        self._prefix_offset = self._read_offset = 0   # the window of output tokens decoded for the next delta
 
     def _push(self, output: RequestOutput) -> None:
         new_ids = output.token_ids[self._sent_tokens:]
@@ -51,9 +52,18 @@ class RequestHandle:
     def _decode(self, output: RequestOutput) -> str:
         if output.finished or self._tokenizer is None:
             return output.text or ""
-        text = self._tokenizer.decode(output.token_ids, skip_special_tokens=True)
-        # Hold back an incomplete multi-byte character until its last byte arrives.
-        return self._sent_text if text.endswith("\ufffd") or not text.startswith(self._sent_text) else text
+        return self._sent_text + self._delta(output.token_ids)
+
+    def _delta(self, ids: list[int]) -> str:
+        """Text added by the newest tokens, decoding a short window rather than the whole output (quadratic in
+        long streams). The window starts a few tokens back so that both decodes see the same first token (whose
+        leading space a tokenizer may drop); an incomplete multi-byte character waits for its last byte."""
+        prefix = self._tokenizer.decode(ids[self._prefix_offset:self._read_offset], skip_special_tokens=True)
+        text = self._tokenizer.decode(ids[self._prefix_offset:], skip_special_tokens=True)
+        if len(text) <= len(prefix) or text.endswith("\ufffd"):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(ids)
+        return text[len(prefix):]
 
     def stream(self, timeout: float | None = None):
         """Yield StreamChunks until the request finishes."""

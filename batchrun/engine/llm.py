@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from typing import Any, Sequence
@@ -15,6 +16,7 @@ from batchrun.engine.request import Request, RequestOutput
 from batchrun.sampling_params import SamplingParams
 
 Prompt = str | list[int] | list[dict]
+log = logging.getLogger("batchrun")
 
 
 def _is_single_prompt(prompts: Any) -> bool:
@@ -41,6 +43,7 @@ class LLM:
         self._wake = threading.Event()
         self._stop_loop = threading.Event()
         self._loop_thread: threading.Thread | None = None
+        self.loop_error: str | None = None   # why the background loop stopped stepping, if a step failed
 
     @property
     def tokenizer(self):
@@ -79,6 +82,8 @@ class LLM:
         The request joins at the next `step()` of whoever drives the engine (a job, `generate`, or the background
         loop started by `start_background()`). Raises EngineOverloaded when too many are already waiting.
         """
+        if self.loop_error:
+            raise RuntimeError(f"engine failed: {self.loop_error}")
         token_ids = self.encode(prompt)
         with self._inbox_lock:
             if len(self._handles) >= self.max_pending_submits:
@@ -136,13 +141,29 @@ class LLM:
         if self._loop_thread is not None:
             self._loop_thread.join()
 
+    @property
+    def healthy(self) -> bool:
+        """False once a step of the background loop has failed (the loop has stopped)."""
+        return self.loop_error is None
+
     def _background_loop(self) -> None:
-        while not self._stop_loop.is_set():
-            if self.has_unfinished():
-                self.step()
-            else:
-                self._wake.wait(0.5)
-                self._wake.clear()
+        try:
+            while not self._stop_loop.is_set():
+                if self.has_unfinished():
+                    self.step()
+                else:
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+        except Exception as exc:   # callers waiting on handles must hear of it, not wait forever
+            log.exception("engine step failed; the background loop has stopped")
+            self.loop_error = f"{type(exc).__name__}: {exc}"
+            self._fail_submitted(f"engine failed: {self.loop_error}")
+
+    def _fail_submitted(self, message: str) -> None:
+        with self._inbox_lock:
+            handles, self._handles, self._inbox = self._handles, {}, []
+        for request_id, handle in handles.items():
+            handle._push(RequestOutput(request_id, 0, [], "", True, "error", error=message))
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -53,6 +53,8 @@ def create_app(llm, api_key: str | None = None, model_name: str | None = None, m
 
     @app.get("/health")
     async def health():
+        if not llm.healthy:
+            return JSONResponse({"status": f"engine failed: {llm.loop_error}"}, status_code=503)
         ok = server.ready()
         return JSONResponse({"status": "ok" if ok else "not ready"}, status_code=200 if ok else 503)
 
@@ -95,6 +97,9 @@ class _Server:
         if body.model is not None and body.model != self.model_name:
             raise APIError(404, f"model: {body.model!r} is not served here; this server serves "
                                 f"{self.model_name!r} (see /v1/models)", "model", code="model_not_found")
+        if not self.llm.healthy:
+            raise APIError(503, f"engine failed: {self.llm.loop_error}; restart the server", type="server_error",
+                           code="engine_failed")
         if not self.ready():
             raise APIError(503, "the engine is not accepting requests (starting, stopping or its job is finishing)",
                            type="server_error", code="engine_not_ready", headers={"Retry-After": "1"})
