@@ -177,13 +177,36 @@ def kvcheck(job, overrides, sample, kv_dtype) -> None:
 @click.option("--calibrate", is_flag=True, help="Run a pilot of the job here, fit the step-time model and predict "
               "the whole job on this machine.")
 @click.option("--pilot-fraction", type=float, default=0.2, show_default=True, help="Share of rows in the pilot.")
+@click.option("--interactive-rate", type=float, help="Interactive requests/s served next to the job: adds the "
+              "mixed-SLA comparison (one shared pool with lanes vs a latency pool + a throughput pool); needs "
+              "--deadline.")
+@click.option("--interactive-prompt-tokens", type=int, default=512, show_default=True)
+@click.option("--interactive-output-tokens", type=int, default=128, show_default=True)
+@click.option("--ttft-p95", default="1s", show_default=True, help="Interactive p95 time-to-first-token target.")
+@click.option("--tpot-p95", default="100ms", show_default=True, help="Interactive p95 time-per-output-token target.")
+@click.option("--headroom", type=float, default=0.2, show_default=True, help="The latency pool is sized for the "
+              "interactive rate x (1 + headroom).")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Draw throughput vs concurrency per KV "
+              "dtype (memory limits marked) and the job's predicted progress to this PNG (needs matplotlib: "
+              "pip install 'batchrun[plot]').")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def plan(job, overrides, gpus, kv_dtypes, deadline, prices, catalog, model_config, utilization, max_num_seqs,
-         calibrate, pilot_fraction, as_json) -> None:
+         calibrate, pilot_fraction, interactive_rate, interactive_prompt_tokens, interactive_output_tokens, ttft_p95,
+         tpot_p95, headroom, plot_path, as_json) -> None:
     from batchrun.job import JobError
     from batchrun.job.spec import JobSpec
-    from batchrun.planner import catalog as cat, plan as planner, workload
+    from batchrun.planner import catalog as cat, mixed, plan as planner, workload
     try:
+        traffic = None if interactive_rate is None else mixed.Traffic(
+            interactive_rate, interactive_prompt_tokens, interactive_output_tokens,
+            mixed.parse_latency(ttft_p95, "--ttft-p95"), mixed.parse_latency(tpot_p95, "--tpot-p95"), headroom)
+        if traffic and not deadline:
+            raise ValueError("--deadline: mixed-SLA planning (--interactive-rate) needs the batch job's deadline")
+        if plot_path and calibrate:
+            raise ValueError("--plot: draws a plan; it does not apply to --calibrate")
+        if plot_path:
+            from batchrun.planner.plot import require_matplotlib
+            require_matplotlib()
         spec = JobSpec.from_yaml(job, list(overrides))
         trust = bool(spec.data["engine"]["trust_remote_code"])
         model = workload.read_model_config(model_config or spec.data["model"], trust,
@@ -197,8 +220,11 @@ def plan(job, overrides, gpus, kv_dtypes, deadline, prices, catalog, model_confi
             chosen = cat.select(cat.load_catalog(catalog), list(gpus), cat.parse_prices(prices))
             for d in kv_dtypes:
                 planner.kv_bytes_per_token(model, d)
-            report = planner.Planner(model, work, utilization, seconds).plan(
-                chosen, tuple(kv_dtypes) or planner.DEFAULT_KV_DTYPES)
+            the_planner = planner.Planner(model, work, utilization, seconds)
+            report = the_planner.plan(chosen, tuple(kv_dtypes) or planner.DEFAULT_KV_DTYPES, traffic)
+            if plot_path:
+                from batchrun.planner.plot import draw
+                draw(the_planner, report, chosen, plot_path)
     except JobError as exc:
         _fail(exc)
     except ValueError as exc:

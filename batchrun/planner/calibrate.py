@@ -3,6 +3,7 @@ then predict the whole job by simulating it with the fitted model (same schedule
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from batchrun.job.spec import JobSpec
 from batchrun.planner.costmodel import LinearModel, StepShape, fit_linear
@@ -53,6 +54,19 @@ def run_pilot(llm, spec: JobSpec, items: list[WorkItem]) -> tuple[list[StepShape
 
 def calibrate(spec: JobSpec, work: Workload, fraction: float = 0.2, llm=None) -> dict:
     """Pilot, fit, held-out error, and the full job's predicted stepping time on this machine."""
+    return run_calibration(spec, work, fraction, llm).report
+
+
+@dataclass
+class Calibration:
+    model: LinearModel         # the fitted step-time model
+    items: list[WorkItem]      # the whole job, output lengths as expected from the pilot
+    num_blocks: int            # the engine's KV pool, as the job would run it
+    report: dict
+    steps: list[tuple[StepShape, float]]   # the pilot's fitted steps: shape, measured seconds
+
+
+def run_calibration(spec: JobSpec, work: Workload, fraction: float = 0.2, llm=None) -> Calibration:
     from batchrun import LLM
     if llm is None:
         llm = LLM(model=spec.data["model"], **spec.engine_options)
@@ -70,20 +84,15 @@ def calibrate(spec: JobSpec, work: Workload, fraction: float = 0.2, llm=None) ->
     items = [WorkItem(it.prompt, measured[i] if i in measured else
                       max(1, round(it.output_tokens * ratios[i % len(ratios)])))
              for i, it in enumerate(work.items)]
-    engine = llm.engine
-    num_blocks = engine.block_manager.num_blocks
+    num_blocks = llm.engine.block_manager.num_blocks
     trace = simulate(items, num_blocks, work.block_size, work.max_num_seqs, work.max_num_batched_tokens,
                      work.prefix_caching, work.keys)
     full = timeline(trace, model.step_time)
-    return {"pilot": {"requests": len(pilot), "fraction": round(len(pilot) / len(work.items), 3),
-                      "steps": len(times) + WARMUP_STEPS, "wall_s": round(wall, 3),
-                      "output_tokens": sum(lengths), "mean_output_over_max_tokens": round(sum(ratios) / len(ratios), 3)},
-            "fit": model.to_dict(), "kv_blocks": num_blocks, "block_size": work.block_size,
-            "predicted": {"requests": len(items), "steps": trace.steps, "output_tokens": full.output_tokens,
-                          "makespan_s": round(full.makespan_s, 3), "drain_s": round(full.drain_s, 3),
-                          "preemptions": trace.preemptions}}
-
-
-def fitted(report: dict) -> LinearModel:
-    f = report["fit"]
-    return LinearModel(f["a_s"], f["b_s_per_token"], f["c_s_per_context_token"], scale=f["scale"])
+    report = {"pilot": {"requests": len(pilot), "fraction": round(len(pilot) / len(work.items), 3),
+                        "steps": len(times) + WARMUP_STEPS, "wall_s": round(wall, 3), "output_tokens": sum(lengths),
+                        "mean_output_over_max_tokens": round(sum(ratios) / len(ratios), 3)},
+              "fit": model.to_dict(), "kv_blocks": num_blocks, "block_size": work.block_size,
+              "predicted": {"requests": len(items), "steps": trace.steps, "output_tokens": full.output_tokens,
+                            "makespan_s": round(full.makespan_s, 3), "drain_s": round(full.drain_s, 3),
+                            "preemptions": trace.preemptions}}
+    return Calibration(model, items, num_blocks, report, list(zip(shapes, times)))

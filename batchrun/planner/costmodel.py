@@ -77,6 +77,7 @@ class StepShape:
     seqs: int          # sequences scheduled
     kv_tokens: int     # sum over scheduled sequences of their context after the step (KV read)
     attn_pairs: int    # sum over scheduled tokens of the positions each attends to (attention FLOPs / 4 L H d)
+    kv_bytes: int = 0  # KV bytes read, where lanes store KV in different dtypes (0: kv_tokens x the model's)
 
 
 @dataclass
@@ -91,7 +92,7 @@ class RooflineModel:
     def parts(self, s: StepShape) -> tuple[float, float]:
         """(memory seconds, compute seconds) of one step."""
         m = self.model
-        read = m.weight_bytes + s.kv_tokens * self.kv_bytes_per_token
+        read = m.weight_bytes + (s.kv_bytes or s.kv_tokens * self.kv_bytes_per_token)
         matmul = 2 * (m.num_params - m.vocab_size * m.hidden_size * (1 if m.tied_embeddings else 2)) * s.tokens
         lm_head = 2 * m.vocab_size * m.hidden_size * s.seqs
         attention = 4 * m.num_layers * m.num_heads * m.head_dim * s.attn_pairs
@@ -126,7 +127,8 @@ class LinearModel:
 
     def to_dict(self) -> dict:
         return {"a_s": self.a, "b_s_per_token": self.b, "c_s_per_context_token": self.c, "steps": self.steps,
-                "outliers": self.outliers, "scale": round(self.scale, 4), "train_mape_pct": round(self.train_error, 2), "heldout_mape_pct": round(self.heldout_error, 2),
+                "outliers": self.outliers, "scale": round(self.scale, 4), "train_mape_pct": round(self.train_error, 2),
+                "heldout_mape_pct": round(self.heldout_error, 2),
                 "heldout_total_error_pct": round(self.heldout_total_error, 2)}
 
 

@@ -11,7 +11,8 @@ import torch
 from batchrun.engine import kv_cache
 from batchrun.planner.catalog import GPU
 from batchrun.planner.costmodel import ModelSpec, RooflineModel
-from batchrun.planner.simulate import Trace, simulate, timeline
+from batchrun.planner.mixed import LATENCY_KV_DTYPE, MixedPlanner, Traffic, recommend_mixed
+from batchrun.planner.simulate import Trace, make_requests, simulate, timeline
 from batchrun.planner.workload import Workload
 
 KV_DTYPES = ("float16", "bfloat16", "int8", "fp8")
@@ -69,13 +70,30 @@ class Planner:
                                          w.max_num_batched_tokens, w.prefix_caching, w.keys[::shard])
         return self._traces[key]
 
+    def batch_requests(self, shard: int = 1) -> list:
+        """Fresh requests of one data-parallel replica's shard (every `shard`-th request), for simulations."""
+        return make_requests(self.work.items[::shard], self.work.keys[::shard])
+
+    def kv_bytes_per_token(self, dtype: str) -> int:
+        return kv_bytes_per_token(self.model, dtype)
+
+    def activation_bytes(self) -> int:
+        return self.model.activation_bytes(self.work.max_num_batched_tokens, self.work.max_num_seqs)
+
+    def kv_budget(self, gpu: GPU) -> int:
+        """Bytes left for KV on one GPU: its memory at the utilisation, less weights and activations."""
+        return int(gpu.memory_bytes * self.util) - self.model.weight_bytes - self.activation_bytes()
+
+    def cost_model(self, gpu: GPU, kv_bytes_per_token: int) -> RooflineModel:
+        return RooflineModel(self.model, gpu, kv_bytes_per_token, **self.cost_options)
+
     def row(self, gpu: GPU, dtype: str) -> dict:
         m, w = self.model, self.work
-        bpt = kv_bytes_per_token(m, dtype)
-        act = m.activation_bytes(w.max_num_batched_tokens, w.max_num_seqs)
-        budget = int(gpu.memory_bytes * self.util) - m.weight_bytes - act
+        bpt = self.kv_bytes_per_token(dtype)
+        act, budget = self.activation_bytes(), self.kv_budget(gpu)
         row = {"gpu": gpu.name, "kv_dtype": dtype, "kv_bytes_per_token": bpt, "weights_gib": m.weight_bytes / 2**30,
-               "activations_gib": act / 2**30, "kv_budget_gib": max(budget, 0) / 2**30, "price_per_hour": gpu.price_per_hour}
+               "activations_gib": act / 2**30, "kv_budget_gib": max(budget, 0) / 2**30,
+               "price_per_hour": gpu.price_per_hour}
         if budget <= 0:
             return row | {"fits": False, "reason": f"weights {m.weight_bytes / 2**30:.1f} GiB + activations "
                           f"{act / 2**30:.1f} GiB exceed {self.util:.0%} of {gpu.memory_gb:g} GB"}
@@ -87,7 +105,7 @@ class Planner:
         if blocks < need:
             return row | {"fits": False, "reason": f"the longest request ({self.longest} tokens) needs {need} "
                           f"blocks; the KV budget holds {blocks}"}
-        cost = RooflineModel(m, gpu, bpt, **self.cost_options)
+        cost = self.cost_model(gpu, bpt)
         one = timeline(self.trace(blocks), cost.step_time)
         row |= {"fits": True, "decode_step_ms": cost.decode_step(min(w.max_num_seqs, row["max_concurrency_mix"]),
                                                                 int(self.mean_len)) * 1e3,
@@ -116,19 +134,34 @@ class Planner:
             t = timeline(self.trace(blocks, n), cost.step_time).makespan_s
         return n, t
 
-    def plan(self, gpus: list[GPU], kv_dtypes=DEFAULT_KV_DTYPES) -> dict:
+    def plan(self, gpus: list[GPU], kv_dtypes=DEFAULT_KV_DTYPES, traffic: Traffic | None = None) -> dict:
+        """Rows per GPU type x KV dtype and a recommendation; with interactive traffic also the mixed-SLA layouts
+        (a shared pool with lanes against a latency pool plus a throughput pool), which need the deadline."""
+        if traffic and not self.deadline:
+            raise ValueError("--deadline: mixed-SLA planning (--interactive-rate) needs the batch job's deadline: "
+                             "it is the window both layouts are sized and priced over")
         rows = [self.row(g, d) for g in gpus for d in kv_dtypes]
         w = self.work
-        return {"model": {"name": self.model.name, "params": self.model.num_params, "layers": self.model.num_layers,
-                          "kv_heads": self.model.kv_heads, "head_dim": self.model.head_dim,
-                          "max_context": self.model.max_context},
-                "job": {"requests": len(w.items), "rows_failing_before_generation": w.rows_failing,
-                        "prompt_tokens": sum(i.prompt_len for i in w.items), "output_tokens": w.output_tokens,
-                        "longest_request": self.longest, "mean_request": round(self.mean_len, 1)},
-                "settings": {"utilization": self.util, "deadline_s": self.deadline, "block_size": w.block_size,
-                             "max_num_seqs": w.max_num_seqs, "max_num_batched_tokens": w.max_num_batched_tokens,
-                             "prefix_caching": w.prefix_caching, "weights": "fp16", "data_parallel": True},
-                "rows": rows, "recommendation": recommend(rows, self.deadline)}
+        report = {"model": {"name": self.model.name, "params": self.model.num_params, "layers": self.model.num_layers,
+                            "kv_heads": self.model.kv_heads, "head_dim": self.model.head_dim,
+                            "max_context": self.model.max_context},
+                  "job": {"requests": len(w.items), "rows_failing_before_generation": w.rows_failing,
+                          "prompt_tokens": sum(i.prompt_len for i in w.items), "output_tokens": w.output_tokens,
+                          "longest_request": self.longest, "mean_request": round(self.mean_len, 1)},
+                  "settings": {"utilization": self.util, "deadline_s": self.deadline, "block_size": w.block_size,
+                               "max_num_seqs": w.max_num_seqs, "max_num_batched_tokens": w.max_num_batched_tokens,
+                               "prefix_caching": w.prefix_caching, "weights": "fp16", "data_parallel": True},
+                  "rows": rows, "recommendation": recommend(rows, self.deadline)}
+        if traffic:
+            mixed = MixedPlanner(self, traffic, MAX_GPUS)
+            mixed_rows = []
+            for g in gpus:   # the shared pool and the throughput pool store batch KV in 8 bits
+                packed = [r for r in rows if r["gpu"] == g.name and r["kv_dtype"] in ("int8", "fp8")]
+                mixed_rows += mixed.rows(g, packed or [self.row(g, "int8")])
+            report["mixed"] = {"traffic": traffic.__dict__ | {"latency_kv_dtype": LATENCY_KV_DTYPE},
+                               "window_s": self.deadline, "rows": mixed_rows,
+                               "recommendation": recommend_mixed(mixed_rows)}
+        return report
 
 
 def recommend(rows: list[dict], deadline: float | None) -> dict | None:
@@ -176,4 +209,29 @@ def format_table(plan: dict) -> str:
     rec = plan["recommendation"]
     lines += ["", f"recommendation: {rec['reason']}" if rec else "recommendation: none of the GPU types fits or "
               "meets the deadline; raise --deadline or add GPU types"]
+    if "mixed" in plan:
+        lines += ["", *format_mixed(plan["mixed"])]
     return "\n".join(lines)
+
+
+def format_mixed(mixed: dict) -> list[str]:
+    t = mixed["traffic"]
+    lines = [f"mixed SLA: {t['rate']:g} interactive req/s ({t['prompt_tokens']} prompt + {t['output_tokens']} output "
+             f"tokens, p95 TTFT <= {t['ttft_p95_s'] * 1e3:g} ms, p95 TPOT <= {t['tpot_p95_s'] * 1e3:g} ms; latency "
+             f"pool {t['latency_kv_dtype']} KV sized for +{t['headroom']:.0%}) with the batch job, every pool held "
+             f"for the {_dur(mixed['window_s'])} window",
+             f"{'gpu':<11}{'layout':<11}{'batch kv':<9}{'GPUs':>6}{'lat+batch':>10}{'tok/step':>9}{'TTFT p95':>10}"
+             f"{'TPOT p95':>10}{'batch done':>11}{'GPU-h':>8}{'$ window':>10}"]
+    for r in mixed["rows"]:
+        head = f"{r['gpu']:<11}{r['layout']:<11}{r['batch_kv_dtype']:<9}"
+        if not r["gpus"]:
+            lines.append(f"{head}  cannot: {r['reason']}")
+            continue
+        split = f"{r['latency_gpus']}+{r['batch_gpus']}" if "latency_gpus" in r else "-"
+        lines.append(f"{head}{r['gpus']:>6}{split:>10}{r['max_num_batched_tokens']:>9}{r['ttft_p95_s'] * 1e3:>8.0f}ms"
+                     f"{r['tpot_p95_s'] * 1e3:>8.1f}ms"
+                     f"{_dur(r['batch_makespan_s']):>11}{r['gpu_hours']:>8.3g}{r['cost_usd']:>10.4g}")
+    rec = mixed["recommendation"]
+    lines.append(f"mixed recommendation: {rec['reason']}" if rec else
+                 "mixed recommendation: no layout meets both the deadline and the latency targets")
+    return lines

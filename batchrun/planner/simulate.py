@@ -88,20 +88,23 @@ def admission_keys(items: list[WorkItem], bucketing: bool, window: int, longest_
     return keys
 
 
+def make_requests(items: list[WorkItem], keys: list[tuple] | None = None) -> list[Request]:
+    """Fresh batch-lane requests for the items (an int prompt becomes distinct dummy ids, so nothing is shared)."""
+    keys = keys or [()] * len(items)
+    return [Request(str(i), list(item.prompt) if not isinstance(item.prompt, int)
+                    else [1 + (i + j) % 30000 for j in range(item.prompt)],
+                    SamplingParams(max_tokens=item.output_tokens, temperature=0), order_key=keys[i], arrival_index=i)
+            for i, item in enumerate(items) if item.output_tokens >= 1]
+
+
 def simulate(items: list[WorkItem], num_blocks: int, block_size: int = 16, max_num_seqs: int = 128,
              max_num_batched_tokens: int = 1024, prefix_caching: bool = False, keys: list[tuple] | None = None,
              max_steps: int = 5_000_000) -> Trace:
     """Run every item through the real scheduler and block manager; the trace of step shapes.
     Prefix caching needs real token ids (an int prompt becomes distinct dummy ids, so nothing is shared)."""
     scheduler = make_scheduler(num_blocks, block_size, max_num_seqs, max_num_batched_tokens, prefix_caching)
-    keys = keys or [()] * len(items)
-    for i, item in enumerate(items):
-        ids = list(item.prompt) if not isinstance(item.prompt, int) else [1 + (i + j) % 30000
-                                                                           for j in range(item.prompt)]
-        if item.output_tokens < 1:
-            continue
-        scheduler.add(Request(str(i), ids, SamplingParams(max_tokens=item.output_tokens, temperature=0),
-                              order_key=keys[i], arrival_index=i))
+    for request in make_requests(items, keys):
+        scheduler.add(request)
     trace = Trace()
     while scheduler.has_unfinished():
         plan = scheduler.schedule()
@@ -126,15 +129,16 @@ class Timeline:
     drain_s: float            # from the last admission (waiting queue empty) to the end
     output_tokens: int
     step_times: list[float]
+    finished: list[int]       # requests finished at each step
 
-    def progress(self, points: int = 50) -> list[tuple[float, float]]:
-        """(seconds, fraction of steps done): the job's predicted progress over time, for plots."""
-        total, acc, out = len(self.step_times), 0.0, []
-        stride = max(1, total // points)
-        for i, t in enumerate(self.step_times):
-            acc += t
-            if i % stride == 0 or i == total - 1:
-                out.append((acc, (i + 1) / total))
+    def progress(self, points: int = 200) -> list[tuple[float, float]]:
+        """(seconds, fraction of requests finished): the job's predicted progress over time, for plots."""
+        total, steps, acc, done, out = max(sum(self.finished), 1), len(self.step_times), 0.0, 0, [(0.0, 0.0)]
+        stride = max(1, steps // points)
+        for i, (t, f) in enumerate(zip(self.step_times, self.finished)):
+            acc, done = acc + t, done + f
+            if i % stride == 0 or i == steps - 1:
+                out.append((acc, done / total))
         return out
 
 
@@ -143,4 +147,4 @@ def timeline(trace: Trace, step_time) -> Timeline:
     times = [step_time(s) for s in trace.shapes]
     last_wait = max((i for i, w in enumerate(trace.waiting) if w), default=-1)
     return Timeline(makespan_s=sum(times), drain_s=sum(times[last_wait + 1:]), output_tokens=sum(trace.out_tokens),
-                    step_times=times)
+                    step_times=times, finished=trace.finished)
