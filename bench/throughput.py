@@ -15,6 +15,11 @@ import pyarrow.parquet as pq
 import torch
 
 
+def unique_params(model) -> int:
+    """Parameters counted once per storage: a tied lm_head shares the embedding's tensor."""
+    return sum({p.data_ptr(): p.numel() for p in model.parameters()}.values())
+
+
 def gemm_flops(reps=8):
     """Best sustained fp32 torch.mm FLOP/s over a square and a model-like (hidden 576 -> MLP 1536) shape."""
     best = 0.0
@@ -47,7 +52,7 @@ def run_batchrun(args, prompts, max_tokens):
     res = dict(load_s=load_s, wall_s=wall, useful_tokens=useful, useful_tok_s=useful / wall,
                prompt_tokens=sum(o.prompt_tokens for o in outs),
                processed_tok_s=sum(o.prompt_tokens + len(o.token_ids) for o in outs) / wall,
-               n_params=sum(p.numel() for p in llm.model.parameters()),
+               n_params=unique_params(llm.model),
                finish_reasons={r: sum(str(o.finish_reason) == r for o in outs) for r in {str(o.finish_reason) for o in outs}})
     model_path, ids = llm.model_path, [list(o.token_ids) for o in outs]
     del llm, outs
@@ -123,7 +128,7 @@ def main():
             base_ids = base_ids or rows
             print(f"hf generate bs={bs}: {res['wall_s']:.1f}s  {res['useful_tok_s']:.1f} useful tok/s")
         if args.skip_batchrun:
-            result["n_params"] = sum(p.numel() for p in model.parameters())
+            result["n_params"] = unique_params(model)
 
     print(f"\n{'engine':<22}{'wall s':>9}{'useful tok':>12}{'useful tok/s':>14}")
     if "batchrun" in result:
