@@ -12,6 +12,7 @@ Both are time-driven discrete-event simulations over the engine's real scheduler
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from dataclasses import dataclass, field
@@ -23,10 +24,11 @@ from batchrun.engine.request import Request
 from batchrun.engine.scheduler import Lane, Scheduler, WaitingQueue
 from batchrun.planner.catalog import GPU
 from batchrun.planner.costmodel import RooflineModel, StepShape
-from batchrun.planner.simulate import fake_forward, step_shape
+from batchrun.planner.simulate import dummy_prompt, fake_forward, step_shape
 from batchrun.sampling_params import SamplingParams
 
 LATENCY_KV_DTYPE = "float16"
+PACKED_KV_DTYPES = ("int8", "fp8")   # batch KV in the shared pool and the throughput pool
 INTERACTIVE_TOKEN_SHARE = 0.5   # the engine's default interactive_token_share
 MIN_INTERACTIVE_SEATS = 8       # the engine's default interactive_max_num_seqs
 MIN_SHARED_TOKEN_BUDGET = 256   # the smallest step token budget tried for the shared pool
@@ -110,7 +112,7 @@ def serve(scheduler: Scheduler, cost: RooflineModel, lane_bytes: dict[str, int],
 
     while True:
         while arriving() and next_arrival <= now:
-            ids = [1 + (sent * 7919 + j) % 30000 for j in range(traffic.prompt_tokens)]
+            ids = dummy_prompt(sent * 7919, traffic.prompt_tokens)
             scheduler.add(Request(f"i{sent}", ids, SamplingParams(max_tokens=traffic.output_tokens, temperature=0),
                                   lane="interactive", arrival_time=next_arrival))
             sent += 1
@@ -123,9 +125,8 @@ def serve(scheduler: Scheduler, cost: RooflineModel, lane_bytes: dict[str, int],
         plan = scheduler.schedule()
         if not plan.scheduled:
             raise RuntimeError("mixed simulation: the scheduler planned no work; a pool cannot hold the next request")
-        shape = step_shape(plan)
         kv_bytes = sum((r.num_computed_tokens + n) * lane_bytes[r.lane] for r, n in plan.scheduled)
-        now += cost.step_time(StepShape(shape.tokens, shape.seqs, shape.kv_tokens, shape.attn_pairs, kv_bytes))
+        now += cost.step_time(dataclasses.replace(step_shape(plan), kv_bytes=kv_bytes))
         finished = fake_forward(scheduler, plan)
         for request, _ in plan.scheduled:
             if request.first_token_time is None and request.num_tokens > request.num_prompt_tokens:
@@ -168,11 +169,13 @@ class MixedPlanner:
         self.request_blocks = -(-traffic.request_tokens // w.block_size)
 
     def rows(self, gpu: GPU, batch_rows: list[dict]) -> list[dict]:
+        """Both layouts for each 8-bit batch KV dtype among the GPU's batch rows (int8 when none was asked for)."""
         budget = self.p.kv_budget(gpu)
         if budget <= 0:
             return []
         latency = self._latency_pool(gpu, budget)
-        packed = [r for r in batch_rows if r.get("fits") and r["kv_dtype"] in ("int8", "fp8")]
+        packed = [r for r in batch_rows if r["kv_dtype"] in PACKED_KV_DTYPES] or [self.p.row(gpu, "int8")]
+        packed = [r for r in packed if r.get("fits")]
         rows = []
         for batch in packed:
             rows.append(self._shared(gpu, budget, batch))
@@ -262,7 +265,8 @@ class MixedPlanner:
                 return False
             lanes = [make_lane("interactive", reserve, self.block_size, seats,
                                max(1, int(tokens * INTERACTIVE_TOKEN_SHARE)), w.prefix_caching),
-                     make_lane("batch", min(batch_blocks, self.p.block_cap), self.block_size, w.max_num_seqs, tokens, w.prefix_caching)]
+                     make_lane("batch", min(batch_blocks, self.p.block_cap), self.block_size, w.max_num_seqs, tokens,
+                               w.prefix_caching)]
             served = serve(Scheduler(lanes, w.max_num_seqs + seats, tokens), cost, lane_bytes, t, t.rate / n,
                            batch=self.p.batch_requests(n))
             results[n] = (served, seats)

@@ -154,10 +154,7 @@ class Planner:
                   "rows": rows, "recommendation": recommend(rows, self.deadline)}
         if traffic:
             mixed = MixedPlanner(self, traffic, MAX_GPUS)
-            mixed_rows = []
-            for g in gpus:   # the shared pool and the throughput pool store batch KV in 8 bits
-                packed = [r for r in rows if r["gpu"] == g.name and r["kv_dtype"] in ("int8", "fp8")]
-                mixed_rows += mixed.rows(g, packed or [self.row(g, "int8")])
+            mixed_rows = [r for g in gpus for r in mixed.rows(g, [row for row in rows if row["gpu"] == g.name])]
             report["mixed"] = {"traffic": traffic.__dict__ | {"latency_kv_dtype": LATENCY_KV_DTYPE},
                                "window_s": self.deadline, "rows": mixed_rows,
                                "recommendation": recommend_mixed(mixed_rows)}

@@ -88,11 +88,15 @@ def admission_keys(items: list[WorkItem], bucketing: bool, window: int, longest_
     return keys
 
 
+def dummy_prompt(seed: int, length: int) -> list[int]:
+    """Token ids standing in for a prompt known only by its length; different seeds share no prefix block."""
+    return [1 + (seed + j) % 30000 for j in range(length)]
+
+
 def make_requests(items: list[WorkItem], keys: list[tuple] | None = None) -> list[Request]:
     """Fresh batch-lane requests for the items (an int prompt becomes distinct dummy ids, so nothing is shared)."""
     keys = keys or [()] * len(items)
-    return [Request(str(i), list(item.prompt) if not isinstance(item.prompt, int)
-                    else [1 + (i + j) % 30000 for j in range(item.prompt)],
+    return [Request(str(i), list(item.prompt) if not isinstance(item.prompt, int) else dummy_prompt(i, item.prompt),
                     SamplingParams(max_tokens=item.output_tokens, temperature=0), order_key=keys[i], arrival_index=i)
             for i, item in enumerate(items) if item.output_tokens >= 1]
 
