@@ -114,3 +114,10 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         mask = torch.arange(context_len, device=query.device)[None, :] <= q_pos[:, None]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)
+
+
+def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """A whole prompt attending to itself: query [n, heads, d], key/value [n, kv_heads, d] -> [n, heads, d]."""
+    q, k, v = (t.transpose(0, 1)[None] for t in (query, key, value))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)

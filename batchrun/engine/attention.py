@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from batchrun.engine.kv_cache import LayerCache
-from batchrun.kernels import reference
+from batchrun.kernels import cpu_attention, reference
 
 
 @dataclass
@@ -46,13 +46,17 @@ class Segment:
 
 
 class TorchAttentionBackend:
-    """Vectorised over decode requests (in groups of similar length, so padding stays small); prefill chunks
-    one request at a time (few per step)."""
+    """Decodes: on CPU the compiled kernel (kernels/cpu_attention.py) over all decode requests at once, reading the
+    paged pool in place; without it, the pure-torch path vectorised over groups of similar context length (so
+    padding stays small). Prefill chunks one request at a time (few per step)."""
 
     name = "torch"
 
-    def __init__(self):
+    def __init__(self, device: torch.device):
         self.workspace = reference.Workspace()   # shared by all layers: one backend object per model
+        self.kernel = cpu_attention.load() if device.type == "cpu" else None
+        # The kernel walks each request's own length: one decode group, no padding to split on.
+        self.pads_decodes = self.kernel is None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: LayerCache,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -61,11 +65,21 @@ class TorchAttentionBackend:
         reference.write_kv_cache(key, value, k, v, meta.slot_mapping, k_scale, v_scale)
         out = torch.empty_like(query)
         for group in meta.decode_groups:
+            if self.kernel is not None:
+                out[group.start:group.end] = cpu_attention.paged_decode_attention(
+                    query[group.start:group.end], k, v, group.block_tables, group.context_lens, scale, k_scale,
+                    v_scale)
+                continue
             out[group.start:group.end] = reference.paged_decode_attention(
                 query[group.start:group.end], k, v, group.block_tables, group.context_lens, scale, k_scale, v_scale,
                 group.max_len, self.workspace)
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+            if chunk.query_len == chunk.context_len and k.dtype == key.dtype:
+                # Nothing cached before the chunk and the cache stores K/V as computed: the fresh K/V are exactly
+                # what a gather would read back, without the copy.
+                out[rows] = reference.causal_attention(query[rows], key[rows], value[rows], scale)
+                continue
             out[rows] = reference.paged_prefill_attention(query[rows], k, v, chunk.block_table, chunk.context_len,
                                                           scale, k_scale, v_scale)
         return out
@@ -77,5 +91,5 @@ def get_backend(name: str, device: torch.device):
         from batchrun.engine.triton_backend import TritonAttentionBackend
         return TritonAttentionBackend(device)
     if name in ("auto", "torch"):
-        return TorchAttentionBackend()
+        return TorchAttentionBackend(device)
     raise ValueError(f"attention_backend: {name!r} is not available; allowed: auto, torch, triton")

@@ -1,0 +1,131 @@
+// Paged decode attention for the CPU: one query token per request, K/V read where they lie in the paged pool
+// (no gather copy), 8-bit codes dequantized in the loop. Built at first use by kernels/cpu_attention.py.
+//
+// query [B, H, D] float32; k_cache/v_cache [N, block_size, Hkv, D] (float32, float16, bfloat16, int8 or fp8 e4m3);
+// k_scale/v_scale [N, block_size, Hkv] float32 for 8-bit codes (undefined otherwise); block_tables [B, W] int64;
+// context_lens [B] int64 (the new token included). Returns [B, H, D] float32.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline void to_float(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <>
+inline void to_float<float>(const float* src, float* dst, int64_t n) {
+  std::copy(src, src + n, dst);
+}
+
+template <typename T>
+void decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                      const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale,
+                      const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale,
+                      torch::Tensor& out) {
+  const int64_t batch = query.size(0), heads = query.size(1), dim = query.size(2);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2), group = heads / kv_heads;
+  const int64_t width = block_tables.size(1);
+  const float* q_ptr = query.data_ptr<float>();
+  const T* k_ptr = k_cache.data_ptr<T>();
+  const T* v_ptr = v_cache.data_ptr<T>();
+  const float* ks_ptr = k_scale ? k_scale->data_ptr<float>() : nullptr;
+  const float* vs_ptr = v_scale ? v_scale->data_ptr<float>() : nullptr;
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  float* out_ptr = out.data_ptr<float>();
+  const int64_t token_stride = kv_heads * dim;          // elements between consecutive tokens in a block
+  const int64_t block_stride = block_size * token_stride;
+
+  // One task per (request, KV head): its `group` query heads share every K/V row read.
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, row(dim), acc(group * dim);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / kv_heads, h = task % kv_heads, len = lens[b];
+      const float* q = q_ptr + (b * heads + h * group) * dim;
+      scores.assign(group * len, 0.f);
+      for (int64_t first = 0; first < len; first += block_size) {
+        const int64_t base = tables[b * width + first / block_size] * block_stride + h * dim;
+        for (int64_t pos = first, offset = base; pos < std::min(len, first + block_size); ++pos, offset += token_stride) {
+          to_float(k_ptr + offset, row.data(), dim);
+          const float row_scale = (ks_ptr ? ks_ptr[offset / dim] : 1.f) * static_cast<float>(scale);
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qg = q + g * dim;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < dim; ++d) dot += qg[d] * row[d];
+            scores[g * len + pos] = dot * row_scale;
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = scores.data() + g * len;
+        const float top = *std::max_element(s, s + len);
+        float total = 0.f;
+        for (int64_t pos = 0; pos < len; ++pos) total += (s[pos] = std::exp(s[pos] - top));
+        const float inv = 1.f / total;
+        for (int64_t pos = 0; pos < len; ++pos) s[pos] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t first = 0; first < len; first += block_size) {
+        const int64_t base = tables[b * width + first / block_size] * block_stride + h * dim;
+        for (int64_t pos = first, offset = base; pos < std::min(len, first + block_size); ++pos, offset += token_stride) {
+          to_float(v_ptr + offset, row.data(), dim);
+          const float row_scale = vs_ptr ? vs_ptr[offset / dim] : 1.f;
+          for (int64_t g = 0; g < group; ++g) {
+            const float p = scores[g * len + pos] * row_scale;
+            float* a = acc.data() + g * dim;
+#pragma omp simd
+            for (int64_t d = 0; d < dim; ++d) a[d] += p * row[d];
+          }
+        }
+      }
+      std::copy(acc.begin(), acc.end(), out_ptr + (b * heads + h * group) * dim);
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale,
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+  TORCH_CHECK(query.scalar_type() == torch::kFloat32 && query.is_contiguous(), "query: float32, contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "k_cache/v_cache: contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && block_tables.is_contiguous(), "block_tables: int64");
+  TORCH_CHECK(context_lens.scalar_type() == torch::kInt64 && context_lens.is_contiguous(), "context_lens: int64");
+  TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
+  auto out = torch::empty_like(query);
+  switch (k_cache.scalar_type()) {
+    case torch::kFloat32:
+      decode_attention<float>(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale, out);
+      break;
+    case torch::kFloat16:
+      decode_attention<at::Half>(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale, out);
+      break;
+    case torch::kBFloat16:
+      decode_attention<at::BFloat16>(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale,
+                                     out);
+      break;
+    case torch::kInt8:
+      decode_attention<int8_t>(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale, out);
+      break;
+    case torch::kFloat8_e4m3fn:
+      decode_attention<c10::Float8_e4m3fn>(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens,
+                                           scale, out);
+      break;
+    default:
+      TORCH_CHECK(false, "k_cache: unsupported dtype ", k_cache.scalar_type());
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention reading K/V in place");
+}

@@ -1,0 +1,76 @@
+"""The CPU decode-attention kernel (cpu_attention.cpp), built once per machine with the system C++ compiler.
+
+Decode attention on a CPU is bound by reading K/V. The pure-torch path gathers each request's blocks into a
+contiguous copy and then reads them again with small batched products; the kernel reads the pool where it lies,
+once, dequantizing 8-bit codes in the loop (3-10x faster per layer, see bench/attention_cpu.py). The build is
+cached under BATCHRUN_CACHE, keyed by the source, torch's version and this CPU's flags (it is compiled with
+-march=native). Where no compiler is found or the build fails, `load()` returns None and the engine keeps the
+torch path, saying why in the log. BATCHRUN_CPU_KERNELS=0 turns the kernel off.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("batchrun")
+_SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+_module = None
+_tried = False
+
+
+def _cpu_flags() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    return next((line for line in text.splitlines() if line.startswith("flags")), "")
+
+
+def _build_dir() -> Path:
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + torch.__version__.encode() + _cpu_flags().encode()).hexdigest()[:16]
+    root = Path(os.environ.get("BATCHRUN_CACHE", Path.home() / ".cache" / "batchrun"))
+    return root / "cpu_kernels" / key
+
+
+def load():
+    """The compiled module, or None (no compiler, failed build, or turned off); built at most once a process."""
+    global _module, _tried
+    if _tried:
+        return _module
+    _tried = True
+    if os.environ.get("BATCHRUN_CPU_KERNELS", "1") == "0":
+        log.info("CPU attention kernel: off (BATCHRUN_CPU_KERNELS=0); using the torch path")
+        return None
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        log.warning("CPU attention kernel: no C++ compiler found; using the slower torch path")
+        return None
+    from torch.utils import cpp_extension
+    build = _build_dir()
+    build.mkdir(parents=True, exist_ok=True)
+    fresh = not any(build.glob("*.so"))
+    if fresh:
+        log.info("CPU attention kernel: building once into %s (about a minute)", build)
+    try:
+        _module = cpp_extension.load(name="batchrun_cpu_attention", sources=[str(_SOURCE)], build_directory=str(build),
+                                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"],
+                                     verbose=False)
+    except Exception as exc:   # a missing toolchain piece shows up only here
+        log.warning("CPU attention kernel: build failed (%s); using the slower torch path", str(exc).splitlines()[0])
+        _module = None
+    return _module
+
+
+def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as reference.paged_decode_attention; call only when load() returned a module."""
+    out = _module.paged_decode_attention(query.float().contiguous(), k_cache, v_cache, k_scale, v_scale,
+                                         block_tables.long().contiguous(), context_lens.long().contiguous(), scale)
+    return out.to(query.dtype)

@@ -1,0 +1,61 @@
+"""The compiled CPU decode-attention kernel against the pure-torch reference, for every KV storage dtype."""
+import pytest
+import torch
+
+from batchrun.kernels import cpu_attention, quant, reference
+
+FP8 = quant.QUANTIZED_DTYPES["fp8"]
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    module = cpu_attention.load()
+    if module is None:
+        pytest.skip("no C++ toolchain: the engine uses the torch path (tested elsewhere)")
+    return module
+
+
+def random_pool(num_blocks, block_size, kv_heads, head_dim, dtype, seed):
+    """(cache, scales) filled with random values, quantized when 8-bit."""
+    x = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=torch.Generator().manual_seed(seed)) * 2
+    if quant.is_quantized(dtype):
+        return quant.quantize(x, dtype)
+    return x.to(dtype), None
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8, FP8],
+                         ids=["float32", "float16", "bfloat16", "int8", "fp8"])
+@pytest.mark.parametrize("block_size,kv_heads,group,head_dim", [(16, 3, 3, 64), (4, 2, 1, 32), (8, 1, 8, 128)])
+def test_kernel_matches_reference(kernel, kv_dtype, block_size, kv_heads, group, head_dim):
+    lens = [1, 5, block_size, 3 * block_size + 1, 40]
+    num_blocks = 64
+    k, k_scale = random_pool(num_blocks, block_size, kv_heads, head_dim, kv_dtype, seed=1)
+    v, v_scale = random_pool(num_blocks, block_size, kv_heads, head_dim, kv_dtype, seed=2)
+    width = max(-(-n // block_size) for n in lens)
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(3))
+    tables = torch.zeros(len(lens), width, dtype=torch.long)   # padding points at block 0: must never be read
+    used = 0
+    for i, n in enumerate(lens):
+        need = -(-n // block_size)
+        tables[i, :need] = perm[used:used + need]
+        used += need
+    context_lens = torch.tensor(lens)
+    query = torch.randn(len(lens), kv_heads * group, head_dim, generator=torch.Generator().manual_seed(4))
+    scale = head_dim ** -0.5
+    got = cpu_attention.paged_decode_attention(query, k, v, tables, context_lens, scale, k_scale, v_scale)
+    want = reference.paged_decode_attention(query, k, v, tables, context_lens, scale, k_scale, v_scale)
+    assert got.shape == want.shape and got.dtype == query.dtype
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_padding_rows_are_not_read(kernel):
+    """Garbage (NaN) beyond a request's context, in its own last block and in the padding block, changes nothing."""
+    k, _ = random_pool(8, 4, 1, 16, torch.float32, seed=5)
+    v, _ = random_pool(8, 4, 1, 16, torch.float32, seed=6)
+    tables, lens = torch.tensor([[3, 5], [2, 0]]), torch.tensor([6, 3])
+    query = torch.randn(2, 2, 16)
+    clean = cpu_attention.paged_decode_attention(query, k, v, tables, lens, 0.25)
+    k[5, 2:], v[5, 2:], k[2, 3:], k[0], v[0] = float("nan"), float("nan"), float("nan"), float("nan"), float("nan")
+    dirty = cpu_attention.paged_decode_attention(query, k, v, tables, lens, 0.25)
+    assert torch.isfinite(dirty).all()
+    torch.testing.assert_close(dirty, clean)
