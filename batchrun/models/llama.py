@@ -10,8 +10,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchrun.engine.attention import Segment
+from batchrun.models import cpu_gemm
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+class Linear(nn.Linear):
+    """nn.Linear that runs decode-sized products on CPU in the orientation the BLAS does faster (cpu_gemm)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= cpu_gemm.SMALL_M and cpu_gemm.transposed_faster():
+            return cpu_gemm.linear_transposed(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -58,8 +68,8 @@ class Attention(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size,
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size,
                                 bias=config.model_type != "qwen2" and getattr(config, "attention_bias", False))
         self.scale = self.head_dim ** -0.5
         self.backend = backend
@@ -92,8 +102,8 @@ class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -128,7 +138,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"model: hidden_act {config.hidden_act!r} is not supported (only silu)")
         self.config = config
         self.model = LlamaModel(config, backend)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.cos = self.sin = None
 
     def init_rope(self, max_len: int, device, dtype) -> None:
