@@ -32,7 +32,8 @@ class EngineConfig:
     tokenizer: str | None = None
     trust_remote_code: bool = False
     device: str = "auto"                 # "auto" -> cuda when available, else cpu
-    dtype: str = "auto"                  # compute dtype; "auto" -> float32 on CPU, the model's dtype on CUDA
+    # Compute dtype. "auto": bfloat16 on CPUs with native bf16 (probed), else float32; on CUDA the model's 16-bit dtype.
+    dtype: str = "auto"
     kv_cache_dtype: str = "auto"         # storage dtype of the paged KV cache
     kv_cache_memory: str | int | None = None  # KV pool budget; default 2GiB on CPU, profiled on CUDA
     gpu_memory_utilization: float = 0.9

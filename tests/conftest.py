@@ -2,12 +2,17 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+# Exactness tests compare with transformers in float32: `dtype: auto` must not pick bfloat16 on a CPU with native
+# bf16 (an environment variable, so the CLI subprocesses of the job tests inherit it).
+os.environ["BATCHRUN_CPU_DTYPE"] = "float32"
 
 VOCAB = 256
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"

@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 
 from batchrun.config import EngineConfig
-from batchrun.engine import kv_cache, kv_sizing, loader
+from batchrun.engine import cpu_dtype, kv_cache, kv_sizing, loader
 from batchrun.engine.attention import get_backend
 from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.model_runner import ModelRunner
@@ -111,7 +111,9 @@ class Engine:
                 raise ValueError(f"dtype: unknown value {self.config.dtype!r}; allowed: auto, {', '.join(_DTYPES)}")
             return _DTYPES[self.config.dtype]
         if self.device.type == "cpu":
-            return torch.float32   # 16-bit matrix products are 20-250x slower on CPUs without bf16 units
+            dtype, why = cpu_dtype.auto_cpu_dtype()
+            log.info("compute dtype (auto) %s", why)
+            return dtype
         model_dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
         return model_dtype if model_dtype in (torch.float16, torch.bfloat16) else torch.float16
 
