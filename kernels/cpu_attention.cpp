@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -19,17 +20,24 @@ inline void to_float(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-template <>
-inline void to_float<float>(const float* src, float* dst, int64_t n) {
-  std::copy(src, src + n, dst);
+// The row as float32: float rows are read where they lie, others converted into `buffer`.
+template <typename T>
+inline const float* row_as_float(const T* src, float* buffer, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+    to_float(src, buffer, n);
+    return buffer;
+  }
 }
 
-template <typename T>
+// DIM > 0 fixes head_dim at compile time (fully unrolled, vectorised inner loops); 0 reads it at run time.
+template <typename T, int DIM>
 void decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                       const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale,
                       const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale,
                       torch::Tensor& out) {
-  const int64_t batch = query.size(0), heads = query.size(1), dim = query.size(2);
+  const int64_t batch = query.size(0), heads = query.size(1), dim = DIM > 0 ? DIM : query.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2), group = heads / kv_heads;
   const int64_t width = block_tables.size(1);
   const float* q_ptr = query.data_ptr<float>();
@@ -45,18 +53,20 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache, 
 
   // One task per (request, KV head): its `group` query heads share every K/V row read.
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, row(dim), acc(group * dim);
+    std::vector<float> scores, buffer(dim), acc(group * dim), qs(group * dim);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, h = task % kv_heads, len = lens[b];
       const float* q = q_ptr + (b * heads + h * group) * dim;
-      scores.assign(group * len, 0.f);
+      for (int64_t i = 0; i < group * dim; ++i) qs[i] = q[i] * static_cast<float>(scale);
+      scores.resize(group * len);
       for (int64_t first = 0; first < len; first += block_size) {
         const int64_t base = tables[b * width + first / block_size] * block_stride + h * dim;
-        for (int64_t pos = first, offset = base; pos < std::min(len, first + block_size); ++pos, offset += token_stride) {
-          to_float(k_ptr + offset, row.data(), dim);
-          const float row_scale = (ks_ptr ? ks_ptr[offset / dim] : 1.f) * static_cast<float>(scale);
+        const int64_t last = std::min(len, first + block_size);
+        for (int64_t pos = first, offset = base; pos < last; ++pos, offset += token_stride) {
+          const float* row = row_as_float(k_ptr + offset, buffer.data(), dim);
+          const float row_scale = ks_ptr ? ks_ptr[offset / dim] : 1.f;
           for (int64_t g = 0; g < group; ++g) {
-            const float* qg = q + g * dim;
+            const float* qg = qs.data() + g * dim;
             float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
             for (int64_t d = 0; d < dim; ++d) dot += qg[d] * row[d];
@@ -67,16 +77,18 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache, 
       for (int64_t g = 0; g < group; ++g) {
         float* s = scores.data() + g * len;
         const float top = *std::max_element(s, s + len);
+        for (int64_t pos = 0; pos < len; ++pos) s[pos] = std::exp(s[pos] - top);
         float total = 0.f;
-        for (int64_t pos = 0; pos < len; ++pos) total += (s[pos] = std::exp(s[pos] - top));
+        for (int64_t pos = 0; pos < len; ++pos) total += s[pos];
         const float inv = 1.f / total;
         for (int64_t pos = 0; pos < len; ++pos) s[pos] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t first = 0; first < len; first += block_size) {
         const int64_t base = tables[b * width + first / block_size] * block_stride + h * dim;
-        for (int64_t pos = first, offset = base; pos < std::min(len, first + block_size); ++pos, offset += token_stride) {
-          to_float(v_ptr + offset, row.data(), dim);
+        const int64_t last = std::min(len, first + block_size);
+        for (int64_t pos = first, offset = base; pos < last; ++pos, offset += token_stride) {
+          const float* row = row_as_float(v_ptr + offset, buffer.data(), dim);
           const float row_scale = vs_ptr ? vs_ptr[offset / dim] : 1.f;
           for (int64_t g = 0; g < group; ++g) {
             const float p = scores[g * len + pos] * row_scale;
@@ -89,6 +101,24 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache, 
       std::copy(acc.begin(), acc.end(), out_ptr + (b * heads + h * group) * dim);
     }
   });
+}
+
+template <typename T>
+void dispatch_dim(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                  const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale,
+                  const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale,
+                  torch::Tensor& out) {
+  switch (query.size(2)) {
+    case 64:
+      return decode_attention<T, 64>(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale,
+                                     out);
+    case 128:
+      return decode_attention<T, 128>(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale,
+                                      out);
+    default:
+      return decode_attention<T, 0>(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale,
+                                    out);
+  }
 }
 
 }  // namespace
@@ -104,20 +134,20 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
   auto out = torch::empty_like(query);
   switch (k_cache.scalar_type()) {
     case torch::kFloat32:
-      decode_attention<float>(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale, out);
+      dispatch_dim<float>(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale, out);
       break;
     case torch::kFloat16:
-      decode_attention<at::Half>(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale, out);
+      dispatch_dim<at::Half>(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale, out);
       break;
     case torch::kBFloat16:
-      decode_attention<at::BFloat16>(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale,
+      dispatch_dim<at::BFloat16>(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale,
                                      out);
       break;
     case torch::kInt8:
-      decode_attention<int8_t>(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale, out);
+      dispatch_dim<int8_t>(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale, out);
       break;
     case torch::kFloat8_e4m3fn:
-      decode_attention<c10::Float8_e4m3fn>(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens,
+      dispatch_dim<c10::Float8_e4m3fn>(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens,
                                            scale, out);
       break;
     default:

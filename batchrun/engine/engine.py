@@ -59,6 +59,8 @@ class Engine:
                                    assign=True)
         self.model.init_rope(self.max_model_len, self.device, self.dtype)
         self.model.eval()
+        if self.device.type == "cpu" and self.model.pack_for_cpu():
+            log.info("linear layers: oneDNN with pre-packed weights")
 
         self.runner = ModelRunner(self.model, config.block_size, self.device)
         self.scheduler = Scheduler(self._build_lanes(admission_key), config.max_num_seqs,

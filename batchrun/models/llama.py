@@ -10,17 +10,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchrun.engine.attention import Segment
-from batchrun.models import cpu_gemm
+from batchrun.models import cpu_gemm, fused
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
 class Linear(nn.Linear):
-    """nn.Linear that runs decode-sized products on CPU in the orientation the BLAS does faster (cpu_gemm)."""
+    """nn.Linear that, once `pack_for_cpu()` has run, multiplies through oneDNN with a pre-packed weight."""
+
+    packed: torch.Tensor | None = None
+
+    def pack_for_cpu(self) -> bool:
+        self.packed = cpu_gemm.pack(self.weight)
+        return self.packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= cpu_gemm.SMALL_M and cpu_gemm.transposed_faster():
-            return cpu_gemm.linear_transposed(x, self.weight, self.bias)
+        if self.packed is not None and x.dim() == 2:
+            return cpu_gemm.linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -31,10 +37,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # As transformers does: normalise in float32, scale in the input dtype.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return fused.rms_norm(x, self.weight, self.eps)
 
 
 def rope_tables(config, head_dim: int, max_len: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,13 +54,6 @@ def rope_tables(config, head_dim: int, max_len: int, device, dtype) -> tuple[tor
     freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq.float())
     emb = torch.cat([freqs, freqs], dim=-1)
     return (emb.cos() * scaling).to(device, dtype), (emb.sin() * scaling).to(device, dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, d]; cos/sin [T, d] (rotate-half convention, as transformers' Llama)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
 
 
 class Attention(nn.Module):
@@ -78,8 +74,8 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, segments: list[Segment]):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        q = fused.apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
+        k = fused.apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if len(segments) == 1:
             out = self._attend(q, k, v, segments[0])
@@ -106,8 +102,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -141,6 +136,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.cos = self.sin = None
 
+    def pack_for_cpu(self) -> bool:
+        """Pre-pack every projection's weight for oneDNN (CPU only); False where this torch cannot."""
+        return all([m.pack_for_cpu() for m in self.modules() if isinstance(m, Linear)])
+
     def init_rope(self, max_len: int, device, dtype) -> None:
         head_dim = self.model.layers[0].self_attn.head_dim
         self.cos, self.sin = rope_tables(self.config, head_dim, max_len, device, dtype)
@@ -161,9 +160,9 @@ def fuse_checkpoint(weights: dict[str, torch.Tensor], tie_embeddings: bool) -> d
     for name, tensor in weights.items():
         if "rotary_emb" in name:
             continue
-        for parts, fused in ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj")):
+        for parts, joined in ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj")):
             if f".{parts[0]}." in name:
-                out[name.replace(parts[0], fused)] = torch.cat([weights[name.replace(parts[0], p)] for p in parts])
+                out[name.replace(parts[0], joined)] = torch.cat([weights[name.replace(parts[0], p)] for p in parts])
         if not any(f".{p}." in name for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
             out[name] = tensor
     if tie_embeddings or "lm_head.weight" not in out:

@@ -1,0 +1,49 @@
+"""The decoder's elementwise pieces (RMSNorm, SiLU-and-multiply, RoPE), fused into single loops on the CPU by
+torch.compile (inductor, dynamic token counts, so a step of any size reuses one compiled kernel).
+
+Eager, each piece is several passes over [tokens, hidden] tensors; fused, one. On an AMD EPYC (2 cores) two
+SmolLM2 prefill steps of 1,024 tokens ran 6.0-6.3 s eager and 4.4-4.6 s fused. The first use compiles (about 25 s on
+2 cores; inductor's on-disk cache makes later starts faster). BATCHRUN_COMPILE=0 keeps everything eager; CUDA
+tensors always run eager here.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+ENABLED = os.environ.get("BATCHRUN_COMPILE", "1") != "0"
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # As transformers does: normalise in float32, scale in the input dtype.
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, d]; cos/sin [T, d] (rotate-half convention, as transformers' Llama)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+def _on_cpu(eager):
+    compiled = torch.compile(eager, dynamic=True)
+
+    def run(x: torch.Tensor, *args):
+        return compiled(x, *args) if ENABLED and x.device.type == "cpu" else eager(x, *args)
+    run.__doc__ = eager.__doc__
+    return run
+
+
+rms_norm = _on_cpu(_rms_norm)
+silu_and_mul = _on_cpu(_silu_and_mul)
+apply_rope = _on_cpu(_rope)
