@@ -16,6 +16,7 @@ import torch
 log = logging.getLogger("batchrun")
 BATCH_HINT = 32          # the row count oneDNN tunes the packing for (decode steps); other counts run fine
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+_unpackable: set[torch.dtype] = set()   # dtypes whose packing failed here (warned once)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -24,8 +25,11 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
         return None
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
-    except (AttributeError, RuntimeError) as exc:
-        log.warning("oneDNN weight packing unavailable (%s); linear layers run unpacked", exc)
+    except (AttributeError, RuntimeError) as exc:   # e.g. bf16 packing needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT
+        if weight.dtype not in _unpackable:
+            _unpackable.add(weight.dtype)
+            log.warning("oneDNN weight packing unavailable for %s (%s); linear layers run unpacked", weight.dtype,
+                        str(exc).splitlines()[0])
         return None
 
 
