@@ -10,7 +10,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from batchrun import LLM, SamplingParams  # noqa: E402
-from batchrun.engine.attention import TorchAttentionBackend, get_backend  # noqa: E402
+from batchrun.engine.attention import TorchAttentionBackend  # noqa: E402
+from batchrun.engine.backends import get_backend  # noqa: E402
 from batchrun.engine.triton_backend import TritonAttentionBackend  # noqa: E402
 from conftest import random_prompts  # noqa: E402
 

@@ -1,48 +1,11 @@
-"""Per-step attention metadata and the attention backend that reads and writes the paged KV cache."""
+"""The CPU attention backend: reads and writes the paged KV cache (the Triton one is in triton_backend.py)."""
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import torch
 
+from batchrun.attention_metadata import AttentionMetadata
 from batchrun.engine.kv_cache import LayerCache
 from batchrun.kernels import cpu_attention, reference
-
-
-@dataclass
-class PrefillChunk:
-    query_start: int        # offset of the chunk's first token in the step's token dimension
-    query_len: int
-    context_len: int        # tokens of the request in the cache after this step, the chunk included
-    block_table: torch.Tensor
-
-
-@dataclass
-class DecodeGroup:
-    """Consecutive decode requests of similar context length, padded together to `max_len`."""
-    start: int
-    end: int
-    block_tables: torch.Tensor   # [end - start, max_blocks]
-    context_lens: torch.Tensor   # [end - start], the new token included
-    max_len: int
-
-
-@dataclass
-class AttentionMetadata:
-    """Built once per step by the model runner; decode requests come first in the token dimension."""
-    slot_mapping: torch.Tensor                 # [T] cache slot of each new token, -1 to skip
-    num_decodes: int = 0
-    decode_groups: list[DecodeGroup] = field(default_factory=list)
-    prefills: list[PrefillChunk] = field(default_factory=list)
-
-
-@dataclass
-class Segment:
-    """Consecutive rows of the step's tokens whose K/V live in one KV pool (one lane)."""
-    start: int
-    end: int
-    pool: int
-    meta: AttentionMetadata
 
 
 class TorchAttentionBackend:
@@ -83,13 +46,3 @@ class TorchAttentionBackend:
             out[rows] = reference.paged_prefill_attention(query[rows], k, v, chunk.block_table, chunk.context_len,
                                                           scale, k_scale, v_scale)
         return out
-
-
-def get_backend(name: str, device: torch.device):
-    """auto: triton on CUDA, torch elsewhere; "triton" on CPU runs only under TRITON_INTERPRET=1 (tests)."""
-    if name == "triton" or (name == "auto" and device.type == "cuda"):
-        from batchrun.engine.triton_backend import TritonAttentionBackend
-        return TritonAttentionBackend(device)
-    if name in ("auto", "torch"):
-        return TorchAttentionBackend(device)
-    raise ValueError(f"attention_backend: {name!r} is not available; allowed: auto, torch, triton")

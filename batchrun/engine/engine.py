@@ -11,7 +11,7 @@ import torch
 
 from batchrun.config import EngineConfig
 from batchrun.engine import cpu_dtype, kv_cache, kv_sizing, loader
-from batchrun.engine.attention import get_backend
+from batchrun.engine.backends import get_backend
 from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.model_runner import ModelRunner
 from batchrun.engine.request import Request, RequestOutput, RequestStatus

@@ -5,7 +5,7 @@ from typing import Callable
 
 import torch
 
-from batchrun.engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk, Segment
+from batchrun.attention_metadata import AttentionMetadata, DecodeGroup, PrefillChunk, Segment
 from batchrun.engine.kv_cache import KVPool
 from batchrun.engine.request import Request
 from batchrun.engine.scheduler import StepPlan
@@ -102,7 +102,7 @@ class ModelRunner:
                 if start + n == request.num_tokens:
                     sample_rows.append(len(input_ids) - 1)
                     sample_reqs.append(request)
-            meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=self.device), num_decodes=len(decodes),
+            meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=self.device),
                                      decode_groups=self._decode_groups([r for r, _ in decodes]), prefills=chunks)
             segments.append(Segment(seg_start, len(input_ids), pool, meta))
         logits = self.model(torch.tensor(input_ids, device=self.device),

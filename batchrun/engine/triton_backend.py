@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from batchrun.engine.attention import AttentionMetadata
+from batchrun.attention_metadata import AttentionMetadata
 from batchrun.engine.kv_cache import LayerCache
 
 
@@ -73,7 +73,7 @@ class TritonAttentionBackend:
     @staticmethod
     def _step_tensors(meta: AttentionMetadata, device: torch.device) -> TritonStepTensors:
         """Built once per step and lane segment, then reused by every layer."""
-        if getattr(meta, "triton_step", None) is None:
+        if meta.triton_step is None:
             meta.triton_step = build_step_tensors(meta, device)
         return meta.triton_step
 

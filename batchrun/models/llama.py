@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchrun.engine.attention import Segment
+from batchrun.attention_metadata import Segment
 from batchrun.models import cpu_gemm, fused
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")

@@ -1,0 +1,16 @@
+"""Attention backend selection, beside the backends (neither backend module imports the other)."""
+from __future__ import annotations
+
+import torch
+
+from batchrun.engine.attention import TorchAttentionBackend
+
+
+def get_backend(name: str, device: torch.device):
+    """auto: triton on CUDA, torch elsewhere; "triton" on CPU runs only under TRITON_INTERPRET=1 (tests)."""
+    if name == "triton" or (name == "auto" and device.type == "cuda"):
+        from batchrun.engine.triton_backend import TritonAttentionBackend
+        return TritonAttentionBackend(device)
+    if name in ("auto", "torch"):
+        return TorchAttentionBackend(device)
+    raise ValueError(f"attention_backend: {name!r} is not available; allowed: auto, torch, triton")
