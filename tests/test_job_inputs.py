@@ -34,7 +34,7 @@ def test_missing_and_corrupt_files(tmp_path, tiny_model, no_model):
     (dict(id=["a"], text=["p"]), {}, "no column 'prompt' (input.prompt_column)"),
     (dict(id=[1.5], prompt=["p"]), {}, "column 'id' (input.id_column) must hold strings or integers, but its type is double"),
     (dict(id=["a"], prompt=[3]), {}, "column 'prompt' (input.prompt_column) must hold text (string)"),
-    (dict(id=["a"], prompt=["p"], mt=["x"]), {"max_tokens_column": "mt"}, "column 'mt' (input.max_tokens_column) must hold an integers"),
+    (dict(id=["a"], prompt=["p"], mt=["x"]), {"max_tokens_column": "mt"}, "column 'mt' (input.max_tokens_column) must hold integers, but its type is string"),
     (dict(id=["a"], prompt=["p"]), {"messages_column": "prompt", "prompt_column": None}, "must hold chat messages"),
     (dict(id=["a"], body=["p"]), {"template": "Say {body} {title}", "prompt_column": None}, "no column 'title' (input.template)"),
     (dict(id=["a"], prompt=["p"]), {"passthrough": ["topic"]}, "no column 'topic' (input.passthrough)"),

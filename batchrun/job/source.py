@@ -18,7 +18,7 @@ from batchrun.job.spec import JobSpec
 
 ROW_PARAM_COLUMNS = {"max_tokens_column": "max_tokens", "temperature_column": "temperature",
                      "top_p_column": "top_p", "seed_column": "seed"}
-_INTEGER, _NUMBER = "an integer", "a number"
+_INTEGER, _NUMBER = "integers", "numbers"
 _KINDS = {"max_tokens_column": _INTEGER, "seed_column": _INTEGER, "temperature_column": _NUMBER,
           "top_p_column": _NUMBER}
 
@@ -95,7 +95,7 @@ class ParquetSource:
         for key, kind in _KINDS.items():
             if inp[key]:
                 need(key, inp[key], pa.types.is_integer if kind == _INTEGER else
-                     lambda t: pa.types.is_integer(t) or pa.types.is_floating(t), f"{kind}s")
+                     lambda t: pa.types.is_integer(t) or pa.types.is_floating(t), kind)
         for column in inp["passthrough"]:
             need("passthrough", column)
 
