@@ -59,21 +59,26 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache, 
       const float* q = q_ptr + (b * heads + h * group) * dim;
       for (int64_t i = 0; i < group * dim; ++i) qs[i] = q[i] * static_cast<float>(scale);
       scores.resize(group * len);
-      for (int64_t first = 0; first < len; first += block_size) {
-        const int64_t base = tables[b * width + first / block_size] * block_stride + h * dim;
-        const int64_t last = std::min(len, first + block_size);
-        for (int64_t pos = first, offset = base; pos < last; ++pos, offset += token_stride) {
-          const float* row = row_as_float(k_ptr + offset, buffer.data(), dim);
-          const float row_scale = ks_ptr ? ks_ptr[offset / dim] : 1.f;
-          for (int64_t g = 0; g < group; ++g) {
-            const float* qg = qs.data() + g * dim;
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < dim; ++d) dot += qg[d] * row[d];
-            scores[g * len + pos] = dot * row_scale;
-          }
+      // Calls visit(pos, offset) for each of the request's `len` tokens, block by block (no division per row);
+      // offset is the element offset of the token's row for KV head h in a cache layer.
+      auto for_each_row = [&](auto visit) {
+        for (int64_t first = 0; first < len; first += block_size) {
+          const int64_t base = tables[b * width + first / block_size] * block_stride + h * dim;
+          const int64_t last = std::min(len, first + block_size);
+          for (int64_t pos = first, offset = base; pos < last; ++pos, offset += token_stride) visit(pos, offset);
         }
-      }
+      };
+      for_each_row([&](int64_t pos, int64_t offset) {
+        const float* row = row_as_float(k_ptr + offset, buffer.data(), dim);
+        const float row_scale = ks_ptr ? ks_ptr[offset / dim] : 1.f;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = qs.data() + g * dim;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < dim; ++d) dot += qg[d] * row[d];
+          scores[g * len + pos] = dot * row_scale;
+        }
+      });
       for (int64_t g = 0; g < group; ++g) {
         float* s = scores.data() + g * len;
         const float top = *std::max_element(s, s + len);
@@ -84,20 +89,16 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache, 
         for (int64_t pos = 0; pos < len; ++pos) s[pos] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t first = 0; first < len; first += block_size) {
-        const int64_t base = tables[b * width + first / block_size] * block_stride + h * dim;
-        const int64_t last = std::min(len, first + block_size);
-        for (int64_t pos = first, offset = base; pos < last; ++pos, offset += token_stride) {
-          const float* row = row_as_float(v_ptr + offset, buffer.data(), dim);
-          const float row_scale = vs_ptr ? vs_ptr[offset / dim] : 1.f;
-          for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * len + pos] * row_scale;
-            float* a = acc.data() + g * dim;
+      for_each_row([&](int64_t pos, int64_t offset) {
+        const float* row = row_as_float(v_ptr + offset, buffer.data(), dim);
+        const float row_scale = vs_ptr ? vs_ptr[offset / dim] : 1.f;
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * len + pos] * row_scale;
+          float* a = acc.data() + g * dim;
 #pragma omp simd
-            for (int64_t d = 0; d < dim; ++d) a[d] += p * row[d];
-          }
+          for (int64_t d = 0; d < dim; ++d) a[d] += p * row[d];
         }
-      }
+      });
       std::copy(acc.begin(), acc.end(), out_ptr + (b * heads + h * group) * dim);
     }
   });
