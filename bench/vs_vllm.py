@@ -125,9 +125,10 @@ def main():
     ap.add_argument("--json", help="also write every figure (token ids included) to this file")
     args = ap.parse_args()
 
+    from batchrun import cpuinfo
     from batchrun.engine import cpu_dtype, loader
-    flags = cpu_dtype.cpu_flags()
-    cpu = dict(model=cpu_dtype.cpu_model(), cores=os.cpu_count(), flags=[f for f in FLAGS if f in flags],
+    flags = cpuinfo.cpu_flags()
+    cpu = dict(model=cpuinfo.cpu_model(), cores=os.cpu_count(), flags=[f for f in FLAGS if f in flags],
                auto_dtype=cpu_dtype.auto_cpu_dtype()[1])
     print(f"CPU: {cpu['model']}, {cpu['cores']} cores, flags {' '.join(cpu['flags'])}; auto dtype {cpu['auto_dtype']}")
     model_path = loader.resolve_model_path(args.model)

@@ -2,7 +2,8 @@
 
 Decode attention on a CPU is bound by reading K/V. The pure-torch path gathers each request's blocks into a
 contiguous copy and then reads them again with small batched products; the kernel reads the pool where it lies,
-once, dequantizing 8-bit codes in the loop (3-10x faster per layer, see bench/attention_cpu.py). The build is
+once, dequantizing 8-bit codes in the loop (one layer, 32 requests x 400 tokens, AMD EPYC 2 cores: 9.8 ms -> 1.8 ms
+float32, 1.3 ms int8; tests/test_cpu_attention.py checks it against the reference). The build is
 cached under BATCHRUN_CACHE, keyed by the source, torch's version and this CPU's flags (it is compiled with
 -march=native). Where no compiler is found or the build fails, `load()` returns None and the engine keeps the
 torch path, saying why in the log. BATCHRUN_CPU_KERNELS=0 turns the kernel off.
@@ -12,11 +13,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import platform
 import shutil
 from pathlib import Path
 
 import torch
+
+from batchrun.cpuinfo import cpu_flags
+from batchrun.paths import cache_dir
 
 log = logging.getLogger("batchrun")
 _SOURCE = Path(__file__).with_name("cpu_attention.cpp")
@@ -24,19 +27,11 @@ _module = None
 _tried = False
 
 
-def _cpu_flags() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    return next((line for line in text.splitlines() if line.startswith("flags")), "")
-
-
 def _build_dir() -> Path:
     source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + torch.__version__.encode() + _cpu_flags().encode()).hexdigest()[:16]
-    root = Path(os.environ.get("BATCHRUN_CACHE", Path.home() / ".cache" / "batchrun"))
-    return root / "cpu_kernels" / key
+    flags = " ".join(sorted(cpu_flags()))
+    key = hashlib.sha256(source + torch.__version__.encode() + flags.encode()).hexdigest()[:16]
+    return cache_dir() / "cpu_kernels" / key
 
 
 def load():
@@ -54,13 +49,12 @@ def load():
     from torch.utils import cpp_extension
     build = _build_dir()
     build.mkdir(parents=True, exist_ok=True)
-    fresh = not any(build.glob("*.so"))
-    if fresh:
+    if not any(build.glob("*.so")):
         log.info("CPU attention kernel: building once into %s (about a minute)", build)
     try:
         _module = cpp_extension.load(name="batchrun_cpu_attention", sources=[str(_SOURCE)], build_directory=str(build),
-                                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"],
-                                     verbose=False)
+                                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+                                     extra_ldflags=["-fopenmp"])
     except Exception as exc:   # a missing toolchain piece shows up only here
         log.warning("CPU attention kernel: build failed (%s); using the slower torch path", str(exc).splitlines()[0])
         _module = None

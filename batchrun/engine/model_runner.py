@@ -60,7 +60,7 @@ class ModelRunner:
     def _decode_groups(self, requests: list[Request]) -> list[DecodeGroup]:
         """Split decodes (sorted by context length) where padding to the group's longest would waste too much
         (only for backends that pad; the others take all decodes as one group)."""
-        if not getattr(self.model.model.layers[0].self_attn.backend, "pads_decodes", False):
+        if not self.model.model.layers[0].self_attn.backend.pads_decodes:
             return [self._decode_group(requests, 0, len(requests))] if requests else []
         groups, start, total = [], 0, 0
         for i, request in enumerate(requests):

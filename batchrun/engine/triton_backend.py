@@ -58,6 +58,7 @@ class TritonAttentionBackend:
     """Cache write, one decode launch for all decode requests, one varlen launch for all prefill chunks."""
 
     name = "triton"
+    pads_decodes = False   # takes every decode request in one padded table
 
     def __init__(self, device: torch.device):
         try:
