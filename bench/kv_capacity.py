@@ -21,8 +21,9 @@ import pyarrow.parquet as pq
 from batchrun.config import parse_memory
 from batchrun.engine import kv_cache, loader
 from batchrun.engine.block_manager import BlockManager
-from batchrun.engine.request import Request, RequestStatus
+from batchrun.engine.request import Request
 from batchrun.engine.scheduler import Scheduler
+from batchrun.planner.simulate import fake_forward
 from batchrun.sampling_params import SamplingParams
 
 DTYPES = ("float32", "float16", "int8", "fp8")
@@ -54,13 +55,7 @@ def simulate(block_manager, rows, repeat, max_num_batched_tokens):
         plan = scheduler.schedule()
         if scheduler.num_waiting:
             running.append(len(scheduler.running))
-        for request, n in plan.scheduled:
-            request.num_computed_tokens += n
-            if request.num_computed_tokens == request.num_tokens:
-                request.token_ids.append(0)
-                if request.num_tokens - request.num_prompt_tokens >= request.params.max_tokens:
-                    scheduler.finish(request)
-                    request.status = RequestStatus.FINISHED
+        fake_forward(scheduler, plan)
     if not running:
         raise SystemExit("no request ever waited: the pool holds the whole queue; raise --repeat")
     return dict(peak=max(running), mean=statistics.fmean(running), steps=len(running),

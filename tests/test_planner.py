@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import torch
 from batchrun.engine import kv_cache
 from batchrun.job.spec import JobSpec
 from batchrun.planner import catalog, plan as planner
-from batchrun.planner.calibrate import calibrate
+from batchrun.planner.calibrate import calibrate, run_calibration
 from batchrun.planner.costmodel import ModelSpec, RooflineModel, StepShape, fit_linear
 from batchrun.planner.simulate import WorkItem, simulate, timeline
 from batchrun.planner.workload import Workload, load_workload, read_model_config
@@ -164,7 +165,37 @@ def test_plan_command_on_a_job(tmp_path, tiny_model):
     assert bad.returncode == 2 and "--model-config: cannot read the model config" in bad.stderr
 
 
-def test_calibration_predicts_the_job_from_a_pilot(tmp_path, tiny_model):
+def test_calibration_predicts_the_job_on_a_synthetic_clock(tmp_path, tiny_model):
+    """Deterministic: each engine step 'takes' 2 ms + 10 us per token. Pilot, fit and simulation must predict the
+    whole job's stepping time on that clock, as the same engine then spends it on the whole job."""
+    from batchrun import LLM
+    write_prompts(tmp_path / "in.parquet", n=60)
+    spec = JobSpec.from_yaml(write_job(tmp_path, tiny_model[0], sampling={"max_tokens": 12, "ignore_eos": True},
+                                       engine={"max_num_seqs": 8}))
+    work = load_workload(spec, read_model_config(spec.data["model"]))
+    engine = LLM(model=spec.data["model"], **spec.engine_options).engine
+    real_step = engine.step
+
+    def clocked_step():
+        outputs = real_step()
+        engine.stats.step_time = 0.002 + 1e-5 * engine.stats.scheduled_tokens
+        return outputs
+
+    engine.step = clocked_step
+    cal = run_calibration(spec, work, 0.2, SimpleNamespace(engine=engine))
+    assert (cal.model.a, cal.model.b, cal.model.c, cal.model.scale) == pytest.approx((0.002, 1e-5, 0, 1), abs=1e-9)
+    for item, key in zip(work.items, work.keys):
+        engine.add_request(list(item.prompt), spec.sampling_params(max_tokens=item.output_tokens), order_key=key)
+    spent = 0.0
+    while engine.has_unfinished():
+        engine.step()
+        spent += engine.stats.step_time
+    assert cal.report["predicted"]["output_tokens"] == 60 * 12
+    assert cal.report["predicted"]["makespan_s"] == pytest.approx(spent, rel=0.01)
+
+
+@pytest.mark.slow
+def test_calibration_predicts_the_measured_wall_clock(tmp_path, tiny_model):
     """Pilot on 20% of the rows, predict the whole job's stepping time, run the job, compare (generous bound:
     the tiny model's steps are a few ms of Python on a shared CPU)."""
     from batchrun.job import Job

@@ -17,6 +17,7 @@ from batchrun.engine.model_runner import ModelRunner
 from batchrun.engine.request import Request, RequestOutput, RequestStatus
 from batchrun.engine.sampler import Sampler
 from batchrun.engine.scheduler import Lane, Scheduler, WaitingQueue, default_admission_key
+from batchrun.engine.stop import StopRule
 from batchrun.models.llama import LlamaForCausalLM, fuse_checkpoint
 from batchrun.sampling_params import SamplingParams
 
@@ -64,9 +65,9 @@ class Engine:
 
         self.runner = ModelRunner(self.model, config.block_size, self.device)
         self.scheduler = Scheduler(self._build_lanes(admission_key), config.max_num_seqs,
-                                   config.max_num_batched_tokens)
+                                   config.max_num_batched_tokens,
+                                   StopRule(self._eos_token_ids(), self.max_model_len, self.tokenizer))
         self.sampler = Sampler(config.seed)
-        self.eos_token_ids = self._eos_token_ids()
         self.stats = StepStats(kv_blocks_free=self.num_blocks)
         self.requests: dict[str, Request] = {}
         self._rejected: list[Request] = []
@@ -128,12 +129,12 @@ class Engine:
             raise ValueError(f"max_model_len: {self.config.max_model_len} exceeds the model's context of {limit}")
         return self.config.max_model_len or limit
 
-    def _eos_token_ids(self) -> set[int]:
+    def _eos_token_ids(self) -> frozenset[int]:
         ids = getattr(self.hf_config, "eos_token_id", None)
         ids = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
-        return ids
+        return frozenset(ids)
 
     @property
     def block_manager(self) -> BlockManager:
@@ -192,53 +193,32 @@ class Engine:
         self._rejected = []
         plan = self.scheduler.schedule()
         if plan.scheduled:
+            self.stats.prompt_tokens += plan.num_prompt_tokens
             logits, sample_reqs = self.runner.run(plan, self._pool_of)
-            for request, n in plan.scheduled:
-                if request.num_computed_tokens < request.num_prompt_tokens:
-                    self.stats.prompt_tokens += min(n, request.num_prompt_tokens - request.num_computed_tokens)
-                request.num_computed_tokens += n
-                self.scheduler.lane_of(request).block_manager.cache_full_blocks(request)
             tokens, logprobs = self.sampler(logits, sample_reqs)
-            for request, token, logprob in zip(sample_reqs, tokens, logprobs):
-                self._append_token(request, token, logprob)
-                touched.append(request)
+            finished = self.scheduler.update(plan, zip(sample_reqs, tokens, logprobs))
+            now = time.monotonic()
+            for request in sample_reqs:
+                if request.first_token_time is None:
+                    request.first_token_time = now
+            for request in finished:
+                self._finalize(request)
+            touched.extend(sample_reqs)
             self.stats.output_tokens += len(sample_reqs)
         elif not touched and self.scheduler.running:
             raise RuntimeError("scheduler planned no work while requests are running")
         self._update_stats(plan.num_tokens, time.perf_counter() - start)
         return [self._output(r) for r in touched]
 
-    def _append_token(self, request: Request, token: int, logprob: float | None) -> None:
-        request.token_ids.append(token)
-        if logprob is not None:
-            request.logprobs.append(logprob)
-        if request.first_token_time is None:
-            request.first_token_time = time.monotonic()
-        params = request.params
-        num_output = request.num_tokens - request.num_prompt_tokens
-        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
-            self._finish(request, "stop")
-        elif params.stop and self._cut_at_stop_string(request):
-            self._finish(request, "stop")
-        elif num_output >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            self._finish(request, "length")
-
-    def _cut_at_stop_string(self, request: Request) -> bool:
-        if self.tokenizer is None:
-            return False
-        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
-        hits = [i for i in (text.find(s) for s in request.params.stop) if i >= 0]
-        if hits:
-            request.text = text[:min(hits)]
-        return bool(hits)
-
     def _finish(self, request: Request, reason: str, error: str | None = None) -> None:
-        if request.status is not RequestStatus.FINISHED:
-            self.scheduler.finish(request)
-        request.status = RequestStatus.FINISHED
-        request.finish_reason, request.error = reason, error
+        """End a request outside the step's stop rules (rejected or aborted)."""
+        self.scheduler.finish(request, reason)
+        request.error = error
+        self._finalize(request)
+
+    def _finalize(self, request: Request) -> None:
         request.finish_time = time.monotonic()
-        if request.text is None and self.tokenizer is not None and reason != "error":
+        if request.text is None and self.tokenizer is not None and request.finish_reason != "error":
             request.text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
 
     def _output(self, request: Request) -> RequestOutput:

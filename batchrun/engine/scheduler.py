@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.request import Request, RequestStatus
+from batchrun.engine.stop import StopRule
 
 
 def default_admission_key(request: Request) -> tuple:
@@ -55,6 +56,17 @@ class StepPlan:
     def num_tokens(self) -> int:
         return sum(n for _, n in self.scheduled)
 
+    # Both read the requests as planned, before Scheduler.update advances them.
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Scheduled tokens that are prompt (recompute after preemption included)."""
+        return sum(max(0, min(n, r.num_prompt_tokens - r.num_computed_tokens)) for r, n in self.scheduled)
+
+    @property
+    def sampling(self) -> list[Request]:
+        """The requests whose scheduled tokens reach their last token: each samples one token this step."""
+        return [r for r, n in self.scheduled if r.num_computed_tokens + n == r.num_tokens]
+
 
 @dataclass(eq=False)
 class Lane:
@@ -73,10 +85,12 @@ class Lane:
 
 
 class Scheduler:
-    def __init__(self, lanes: list[Lane], max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, lanes: list[Lane], max_num_seqs: int, max_num_batched_tokens: int,
+                 stop_rule: StopRule = StopRule()):
         self.lanes = lanes                       # highest priority first; the last is the default lane
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.stop_rule = stop_rule
         self.num_preemptions = 0
 
     @classmethod
@@ -174,11 +188,32 @@ class Scheduler:
         plan.preempted.append(request)
         lane.waiting.push(request)
 
-    def finish(self, request: Request) -> None:
-        """Release a finished request, running or waiting."""
+    def update(self, plan: StepPlan, sampled: Iterable[tuple[Request, int, float | None]]) -> list[Request]:
+        """After the forward: advance each scheduled request by its tokens (caching its full blocks for the prefix
+        cache), append each sampled (request, token, logprob), and finish and free the requests the stop rule
+        ends. Returns those."""
+        for request, n in plan.scheduled:
+            request.num_computed_tokens += n
+            self.lane_of(request).block_manager.cache_full_blocks(request)
+        finished = []
+        for request, token, logprob in sampled:
+            request.token_ids.append(token)
+            if logprob is not None:
+                request.logprobs.append(logprob)
+            reason = self.stop_rule(request)
+            if reason:
+                self.finish(request, reason)
+                finished.append(request)
+        return finished
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Release a request, running or waiting, and mark it finished (a finished request is left as it is)."""
+        if request.finished:
+            return
         lane = self.lane_of(request)
         if request in lane.running:
             lane.running.remove(request)
             lane.block_manager.free_request(request)
         else:
             lane.waiting.remove(request)
+        request.status, request.finish_reason = RequestStatus.FINISHED, reason

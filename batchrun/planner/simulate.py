@@ -1,8 +1,7 @@
 """Discrete-event simulation: the engine's real Scheduler and BlockManager, a cost model instead of a forward.
 
-Each simulated step is what Engine.step() does minus the model: schedule, advance every scheduled request by its
-tokens (caching full blocks for the prefix cache), append one output token to each request that caught up, and
-finish it once it has its output length. The step's shape (tokens, sequences, KV read) is recorded; a step-time
+Each simulated step is what Engine.step() does minus the model: schedule, then the scheduler's own step update with
+token 0 for each request that caught up (it finishes once it has its output length). The step's shape (tokens, sequences, KV read) is recorded; a step-time
 model turns the trace into a timeline, so one trace serves every GPU type with the same pool size.
 """
 from __future__ import annotations
@@ -10,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from batchrun.engine.block_manager import BlockManager
-from batchrun.engine.request import Request, RequestStatus
+from batchrun.engine.request import Request
 from batchrun.engine.scheduler import Scheduler, StepPlan
 from batchrun.planner.costmodel import StepShape
 from batchrun.sampling_params import SamplingParams
@@ -53,19 +52,9 @@ def step_shape(plan: StepPlan) -> StepShape:
 
 
 def fake_forward(scheduler: Scheduler, plan: StepPlan) -> list[Request]:
-    """Advance the plan's requests as a forward + sampler would (output token 0); returns the finished ones.
-    A request finishes when its output reaches params.max_tokens (the engine's 'length' finish)."""
-    finished = []
-    for request, n in plan.scheduled:
-        request.num_computed_tokens += n
-        scheduler.lane_of(request).block_manager.cache_full_blocks(request)
-        if request.num_computed_tokens == request.num_tokens:
-            request.token_ids.append(0)
-            if request.num_tokens - request.num_prompt_tokens >= request.params.max_tokens:
-                scheduler.finish(request)
-                request.status = RequestStatus.FINISHED
-                finished.append(request)
-    return finished
+    """The step update after a forward + sampler that samples token 0; returns the requests it finished (in a
+    simulation, by reaching params.max_tokens: the engine's 'length' finish)."""
+    return scheduler.update(plan, [(request, 0, None) for request in plan.sampling])
 
 
 def make_scheduler(num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
@@ -118,9 +107,8 @@ def simulate(items: list[WorkItem], num_blocks: int, block_size: int = 16, max_n
         trace.shapes.append(step_shape(plan))
         trace.running.append(len(scheduler.running))
         trace.waiting.append(scheduler.num_waiting)
-        sampled = sum(1 for r, n in plan.scheduled if r.num_computed_tokens + n == r.num_tokens)
+        trace.out_tokens.append(len(plan.sampling))
         trace.finished.append(len(fake_forward(scheduler, plan)))
-        trace.out_tokens.append(sampled)
         if trace.steps > max_steps:
             raise RuntimeError(f"simulation: more than {max_steps} steps; the job is too large to simulate whole")
     trace.preemptions = scheduler.num_preemptions
