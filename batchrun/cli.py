@@ -1,14 +1,14 @@
-"""Command line: `batchrun generate` runs a Parquet prompt set through the engine."""
+"""Command line: jobs (submit, generate, validate, status, plan, kvcheck, schema) and the server."""
 from __future__ import annotations
 
 import json
 import logging
 import sys
-import time
 
 import click
 
 from batchrun.config import EngineConfig
+from batchrun.job.spec import JOB_SAMPLING_DEFAULTS
 
 
 @click.group()
@@ -16,62 +16,6 @@ from batchrun.config import EngineConfig
 def main(verbose: bool) -> None:
     """batchrun: offline LLM batch inference."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(asctime)s %(message)s")
-
-
-@main.command()
-@click.argument("parquet", type=click.Path(exists=True, dir_okay=False))
-@click.option("--model", default="smollm2-135m", show_default=True)
-@click.option("--output", "-o", type=click.Path(dir_okay=False), help="Write results to this Parquet file.")
-@click.option("--limit", type=int, help="Only the first N rows.")
-@click.option("--prompt-column", default="prompt", show_default=True)
-@click.option("--id-column", default="id", show_default=True)
-@click.option("--max-tokens", type=int, default=64, show_default=True,
-              help="Used where the file has no max_tokens column.")
-@click.option("--temperature", type=float, default=0.0, show_default=True)
-@click.option("--chat/--no-chat", default=False, help="Wrap each prompt as a user message in the chat template.")
-@click.option("--kv-cache-memory", default="2GiB", show_default=True)
-@click.option("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs, show_default=True)
-@click.option("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens, show_default=True)
-def generate(parquet, model, output, limit, prompt_column, id_column, max_tokens, temperature, chat,
-             kv_cache_memory, max_num_seqs, max_num_batched_tokens) -> None:
-    """Generate a completion for every row of PARQUET (columns: id, prompt, optional max_tokens)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from batchrun import LLM, SamplingParams
-
-    table = pq.read_table(parquet)
-    if limit:
-        table = table.slice(0, limit)
-    for column in (id_column, prompt_column):
-        if column not in table.column_names:
-            raise click.UsageError(f"{parquet}: no column {column!r} (columns: {', '.join(table.column_names)})")
-    rows = table.to_pylist()
-    try:
-        llm = LLM(model=model, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                  max_num_batched_tokens=max_num_batched_tokens)
-        params = [SamplingParams(max_tokens=int(r.get("max_tokens") or max_tokens), temperature=temperature)
-                  for r in rows]
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from exc
-    prompts = [[{"role": "user", "content": r[prompt_column]}] if chat else r[prompt_column] for r in rows]
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty())
-    wall = time.perf_counter() - start
-    out_tokens = sum(len(o.token_ids) for o in outs)
-    if output:
-        pq.write_table(pa.table({
-            "id": [r[id_column] for r in rows], "text": [o.text for o in outs],
-            "finish_reason": [o.finish_reason for o in outs], "prompt_tokens": [o.prompt_tokens for o in outs],
-            "completion_tokens": [len(o.token_ids) for o in outs], "error": [o.error for o in outs]}), output)
-    else:
-        for r, o in zip(rows[:5], outs):
-            click.echo(f"[{r[id_column]}] {o.text!r} ({o.finish_reason})")
-    s = llm.engine.stats
-    click.echo(json.dumps({"rows": len(rows), "errors": sum(o.finish_reason == "error" for o in outs),
-                           "output_tokens": out_tokens, "wall_s": round(wall, 2),
-                           "output_tokens_per_s": round(out_tokens / wall, 2), "preemptions": s.preemptions,
-                           "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens}))
 
 
 _EXIT_HELP = ("Exit codes: 0 done; 3 done with failed rows; 2 invalid spec or input (nothing ran); "
@@ -99,12 +43,16 @@ def _serve_beside(address: str, api_key: str | None, model_name: str):
     return functools.partial(ServeBesideJob, address=address, api_key=api_key, model_name=model_name)
 
 
+_PROGRESS = click.option("--progress", type=click.Choice(["auto", "bar", "log"]), default="auto", show_default=True,
+                         help="auto: a bar on a terminal, log lines otherwise.")
+_RESTART = click.option("--restart", is_flag=True, help="Discard the results of a different job in the output directory.")
+
+
 @main.command(help="Run JOB (a YAML job file) to completion, or resume it where it stopped.\n\n" + _EXIT_HELP)
 @click.argument("job", type=click.Path(dir_okay=False))
 @_SET
-@click.option("--restart", is_flag=True, help="Discard the results of a different job in the output directory.")
-@click.option("--progress", type=click.Choice(["auto", "bar", "log"]), default="auto", show_default=True,
-              help="auto: a bar on a terminal, log lines otherwise.")
+@_RESTART
+@_PROGRESS
 @click.option("--serve", "serve_address", metavar="HOST:PORT",
               help="While the job runs, serve an OpenAI-compatible endpoint on its engine (interactive lane), "
                    "e.g. 127.0.0.1:8000. Needs the serve extra.")
@@ -112,16 +60,83 @@ def _serve_beside(address: str, api_key: str | None, model_name: str):
               "(also read from BATCHRUN_API_KEY).")
 def submit(job, overrides, restart, progress, serve_address, api_key) -> None:
     from batchrun.job import Job, JobError
-    from batchrun.job.errors import EXIT_INTERRUPTED
     try:
         job_ = Job.from_yaml(job, list(overrides))
-        serve = _serve_beside(serve_address, api_key, job_.spec.data["model"]) if serve_address else None
+    except JobError as exc:
+        _fail(exc)
+    _run_job(job_, restart, progress,
+             _serve_beside(serve_address, api_key, job_.spec.model) if serve_address else None)
+
+
+# generate's flags and the job fields they set (an error names the field and the flag)
+_GENERATE_FLAGS = {("input", "limit"): "--limit", ("input", "prompt_column"): "--prompt-column",
+                   ("input", "id_column"): "--id-column", ("sampling", "max_tokens"): "--max-tokens",
+                   ("sampling", "temperature"): "--temperature", ("engine", "kv_cache_memory"): "--kv-cache-memory",
+                   ("engine", "kv_cache_dtype"): "--kv-cache-dtype", ("engine", "max_num_seqs"): "--max-num-seqs",
+                   ("engine", "max_num_batched_tokens"): "--max-num-batched-tokens", ("model",): "--model",
+                   ("output", "path"): "--output"}
+
+
+@main.command(help="Generate a completion for every row of PARQUET (columns: id, prompt, optional max_tokens): "
+                   "a job made from these flags, with the job's output columns, resume and progress. Run the same "
+                   "command again to resume.\n\n" + _EXIT_HELP)
+@click.argument("parquet", type=click.Path(dir_okay=False))
+@click.option("--model", default=EngineConfig.model, show_default=True)
+@click.option("--output", "-o", type=click.Path(file_okay=False),
+              help="Output directory, as a job's output.path  [default: batchrun-out/PARQUET's name]")
+@click.option("--limit", type=int, help="Only the first N rows.")
+@click.option("--prompt-column", default="prompt", show_default=True)
+@click.option("--id-column", default="id", show_default=True)
+@click.option("--max-tokens", type=int, default=JOB_SAMPLING_DEFAULTS["max_tokens"], show_default=True,
+              help="Used where the file has no max_tokens column.")
+@click.option("--temperature", type=float, default=JOB_SAMPLING_DEFAULTS["temperature"], show_default=True)
+@click.option("--chat/--no-chat", default=False, help="Wrap each prompt as a user message in the chat template.")
+@click.option("--kv-cache-memory", help="KV pool size  [default: 2GiB on CPU, profiled on CUDA]")
+@click.option("--kv-cache-dtype", default=EngineConfig.kv_cache_dtype, show_default=True)
+@click.option("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs, show_default=True)
+@click.option("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens, show_default=True)
+@_RESTART
+@_PROGRESS
+def generate(parquet, model, output, limit, prompt_column, id_column, max_tokens, temperature, chat,
+             kv_cache_memory, kv_cache_dtype, max_num_seqs, max_num_batched_tokens, restart, progress) -> None:
+    import os
+
+    import pyarrow.parquet as pq
+
+    from batchrun.job import Job, JobError, JobSpec
+    try:
+        has_max_tokens = "max_tokens" in pq.read_schema(parquet).names
+    except (OSError, ValueError):   # the job's own input check names the problem
+        has_max_tokens = False
+    stem = os.path.splitext(os.path.basename(parquet))[0]
+    raw = {"name": stem, "model": model,
+           "input": {"path": os.path.abspath(parquet), "id_column": id_column, "prompt_column": prompt_column,
+                     "chat": chat, "limit": limit, "max_tokens_column": "max_tokens" if has_max_tokens else None},
+           "sampling": {"max_tokens": max_tokens, "temperature": temperature},
+           "engine": {"kv_cache_memory": kv_cache_memory, "kv_cache_dtype": kv_cache_dtype,
+                      "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens},
+           "output": {"path": os.path.abspath(output or os.path.join("batchrun-out", stem))}}
+    try:
+        job_ = Job(JobSpec(raw, "batchrun generate", dict(_GENERATE_FLAGS)))
+    except JobError as exc:
+        _fail(exc)
+    _run_job(job_, restart, progress, preview=5)
+
+
+def _run_job(job_, restart: bool, progress: str, serve=None, preview: int = 0) -> None:
+    """Run or resume the job, print its first `preview` results and a summary line, exit with its code."""
+    from batchrun.job import JobError
+    from batchrun.job.errors import EXIT_INTERRUPTED
+    try:
         result = job_.run(restart=restart, progress=progress, serve=serve)
     except JobError as exc:
         _fail(exc)
     except KeyboardInterrupt:
         click.echo("batchrun: interrupted; finished rows are saved, submit again to resume", err=True)
         sys.exit(EXIT_INTERRUPTED)
+    if preview:
+        for r in result.table().slice(0, preview).to_pylist():
+            click.echo(f"[{r['id']}] {r['text'] if r['status'] == 'ok' else r['error']!r} ({r['finish_reason']})")
     s = result.summary
     click.echo(json.dumps({k: s.get(k) for k in ("status", "rows_ok", "rows_failed", "rows_remaining",
                                                  "output_tokens_per_s", "wall_s")} | {"output": result.output_dir}))
@@ -208,8 +223,7 @@ def plan(job, overrides, gpus, kv_dtypes, deadline, prices, catalog, model_confi
             from batchrun.planner.plot import require_matplotlib
             require_matplotlib()
         spec = JobSpec.from_yaml(job, list(overrides))
-        trust = bool(spec.data["engine"]["trust_remote_code"])
-        model = workload.read_model_config(model_config or spec.data["model"], trust,
+        model = workload.read_model_config(model_config or spec.model, spec.engine.trust_remote_code,
                                            "--model-config" if model_config else "model")
         work = workload.load_workload(spec, model, max_num_seqs)
         if calibrate:
@@ -245,6 +259,14 @@ def status(job, overrides) -> None:
         click.echo(json.dumps(Job.from_yaml(job, list(overrides)).status(), indent=2))
     except JobError as exc:
         _fail(exc)
+
+
+@main.command(help="Print the job file's JSON Schema, for editors with a YAML language server: "
+                    "batchrun schema > job.schema.json, then '# yaml-language-server: $schema=job.schema.json' "
+                    "as the job file's first line.")
+def schema() -> None:
+    from batchrun.job.spec import json_schema
+    click.echo(json.dumps(json_schema(), indent=2))
 
 
 def _engine_overrides(items) -> dict:

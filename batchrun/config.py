@@ -3,9 +3,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, fields
+from typing import Literal, get_args
 
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# Choices as types: the job spec and its JSON Schema take them from the annotations below.
+KVCacheDtype = Literal["auto", "float32", "float16", "bfloat16", "int8", "fp8"]
+ComputeDtype = Literal["auto", "float32", "float16", "bfloat16"]
+AttentionBackend = Literal["auto", "torch", "triton"]
+KV_CACHE_DTYPES, ATTENTION_BACKENDS = get_args(KVCacheDtype), get_args(AttentionBackend)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -33,8 +37,8 @@ class EngineConfig:
     trust_remote_code: bool = False
     device: str = "auto"                 # "auto" -> cuda when available, else cpu
     # Compute dtype. "auto": bfloat16 on CPUs with native bf16 (probed), else float32; on CUDA the model's 16-bit dtype.
-    dtype: str = "auto"
-    kv_cache_dtype: str = "auto"         # storage dtype of the paged KV cache
+    dtype: ComputeDtype = "auto"
+    kv_cache_dtype: KVCacheDtype = "auto"   # storage dtype of the paged KV cache
     kv_cache_memory: str | int | None = None  # KV pool budget; default 2GiB on CPU, profiled on CUDA
     gpu_memory_utilization: float = 0.9
     block_size: int = 16
@@ -42,12 +46,12 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None     # default: the model's context length
     enable_prefix_caching: bool = True
-    attention_backend: str = "auto"
+    attention_backend: AttentionBackend = "auto"
     seed: int = 0
     # Interactive lane: its own 16-bit KV pool (float32 on CPU), admitted first, capped, never preempted by batch.
     interactive_lane: bool = False
     interactive_kv_memory: str | int | None = None   # default: an eighth of the KV budget
-    interactive_kv_cache_dtype: str = "auto"
+    interactive_kv_cache_dtype: KVCacheDtype = "auto"
     interactive_max_num_seqs: int = 8
     interactive_token_share: float = 0.5             # at most this share of a step's tokens; batch keeps the rest
     # While interactive requests are in the engine, the batch lane computes at most this many tokens per step
@@ -57,6 +61,8 @@ class EngineConfig:
 
     def __post_init__(self):
         self.kv_cache_bytes = None if self.kv_cache_memory is None else parse_memory(self.kv_cache_memory)
+        if self.dtype not in get_args(ComputeDtype):
+            raise ValueError(f"dtype: unknown value {self.dtype!r}; allowed: {', '.join(get_args(ComputeDtype))}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: unknown value {self.kv_cache_dtype!r}; allowed: {', '.join(KV_CACHE_DTYPES)}")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -59,7 +59,7 @@ def main():
 
     out_dir = tempfile.mkdtemp(prefix="batchrun-calibration-")
     spec = JobSpec.from_yaml(args.job, [f"output.path={out_dir}"])
-    work = load_workload(spec, read_model_config(spec.data["model"]))
+    work = load_workload(spec, read_model_config(spec.model))
     start = time.perf_counter()
     calibration = run_calibration(spec, work, args.pilot_fraction)
     report = calibration.report

@@ -108,3 +108,26 @@ def test_changed_spec_refused_unless_restart_and_status(tmp_path, tiny_model):
     assert restarted.exit_code == 0 and json.loads(restarted.stdout.splitlines()[-1])["rows_ok"] == 10
     status = json.loads(cli("status", job).stdout)
     assert status["state"] == "done" and status["rows_done"] == 10 and status["rows_remaining"] == 0 and status["rows_failed"] == 0
+
+
+def test_generate_is_a_job_made_from_flags(tmp_path, tiny_model):
+    """`batchrun generate` writes the job's output (columns, summary), resumes, and names the flag of a bad value."""
+    budgets = [2 + i % 4 for i in range(10)]
+    write_prompts(tmp_path / "in.parquet", 10, max_tokens=pa.array(budgets, pa.int64()))
+    out = tmp_path / "gen"
+    args = ["generate", str(tmp_path / "in.parquet"), "--model", tiny_model[0], "--output", str(out), "--limit", "8",
+            "--kv-cache-memory", "4MiB", "--max-num-seqs", "4", "--progress", "log"]
+    first = CliRunner().invoke(main, args)
+    assert first.exit_code == 0, first.output
+    assert json.loads(first.output.strip().splitlines()[-1])["rows_ok"] == 8
+    table = pq.read_table(out / "data").sort_by("row_index")
+    assert table.column("id").to_pylist() == [f"row-{i:03d}" for i in range(8)]
+    assert {"status", "finish_reason", "completion_tokens", "time_to_first_token", "row_index"} <= set(table.column_names)
+    lengths = [(r["completion_tokens"], budgets[r["row_index"]]) for r in table.to_pylist()
+               if r["finish_reason"] == "length"]
+    assert lengths and all(n == budget for n, budget in lengths)   # the file's max_tokens column, per row
+    again = CliRunner().invoke(main, args)
+    assert again.exit_code == 0 and json.load(open(out / "summary.json"))["rows_this_run"] == 0
+    bad = CliRunner().invoke(main, args[:-2] + ["--max-tokens", "0"])
+    assert bad.exit_code == EXIT_INVALID
+    assert "sampling.max_tokens (from --max-tokens): must be a positive integer" in bad.output

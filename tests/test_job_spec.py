@@ -49,8 +49,7 @@ def test_set_overrides_and_errors(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text(BASE)
     spec = JobSpec.from_yaml(str(path), ["input.limit=20", "sampling.stop=[END]", "batching.bucketing=false"])
-    assert spec.data["input"]["limit"] == 20 and spec.data["sampling"]["stop"] == ["END"]
-    assert spec.data["batching"]["bucketing"] is False
+    assert spec.input.limit == 20 and spec.sampling.stop == ["END"] and spec.batching.bucketing is False
     assert "input.limit (from --set): must be a positive integer" in spec_error(tmp_path, BASE, "input.limit=-1")
     assert "expected key=value" in spec_error(tmp_path, BASE, "input.limit")
     assert "did you mean 'limit'" in spec_error(tmp_path, BASE, "input.limt=3")
@@ -61,7 +60,7 @@ def test_paths_are_relative_to_the_job_file(tmp_path):
     path.parent.mkdir()
     path.write_text(BASE)
     spec = JobSpec.from_yaml(str(path))
-    assert spec.resolve(spec.data["input"]["path"]) == str(tmp_path / "jobs" / "in.parquet")
+    assert spec.resolve(spec.input.path) == str(tmp_path / "jobs" / "in.parquet")
 
 
 def test_missing_job_file_exit_code(tmp_path):
@@ -91,3 +90,46 @@ def test_engine_section_accepts_interactive_lane_options(tmp_path, tiny_model):
                                                      "interactive_max_num_seqs": 2})
     options = JobSpec.from_yaml(job).engine_options
     assert options["interactive_lane"] is True and options["interactive_max_num_seqs"] == 2
+
+
+def test_engine_and_sampling_keys_come_from_engine_config_and_sampling_params():
+    import dataclasses
+    from batchrun.config import EngineConfig
+    from batchrun.job.spec import EngineSection, SamplingSection
+    from batchrun.sampling_params import SamplingParams
+    assert set(EngineSection.model_fields) == {f.name for f in dataclasses.fields(EngineConfig)} - {"model"} | {"lane"}
+    assert set(SamplingSection.model_fields) == {f.name for f in dataclasses.fields(SamplingParams)} - {"logprobs"}
+    spec = JobSpec({"input": {"path": "in.parquet"}, "output": {"path": "out"}, "engine": {"block_size": None}})
+    assert spec.engine.max_num_seqs == EngineConfig.max_num_seqs and spec.engine_options == {}   # null: not set
+    assert spec.sampling_params().top_p == SamplingParams().top_p and spec.sampling_params().max_tokens == 64
+
+
+def test_schema_command_gives_a_json_schema_the_shipped_jobs_satisfy(tmp_path):
+    import glob
+    import jsonschema
+    import yaml
+    result = CliRunner().invoke(main, ["schema"])
+    assert result.exit_code == 0
+    schema = json.loads(result.output)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    engine = schema["$defs"]["EngineSection"]["properties"]
+    assert "int8" in json.dumps(engine["kv_cache_dtype"]) and engine["max_num_seqs"]["default"] == 128
+    jobs = glob.glob("jobs/*.yaml")
+    assert jobs
+    for path in jobs:
+        with open(path) as f:
+            jsonschema.validate(yaml.safe_load(f), schema)
+    with pytest.raises(jsonschema.ValidationError, match="max_tokns"):
+        jsonschema.validate(yaml.safe_load(BASE + "sampling:\n  max_tokns: 5\n"), schema)
+
+
+@pytest.mark.parametrize("text, message", [
+    (BASE.replace("in.parquet", "in.parquet\n  passthrough: [a, 3]"),
+     r"input.passthrough \(line 4\): must be a list of strings, item 1 is 3"),
+    (BASE + "engine:\n  kv_cache_memory: [1]\n", r"engine.kv_cache_memory \(line 7\): must be a string or an integer"),
+    (BASE + "engine:\n  lane: fast\n", r"engine.lane \(line 7\): unknown value 'fast'; allowed: batch, interactive"),
+    (BASE + "kv_quality_gate:\n  min_identical: 1.5\n", r"kv_quality_gate.min_identical \(line 7\): must be <= 1"),
+    (BASE + "sampling: 5\n", r"sampling \(line 6\): must be a mapping of max_tokens"),
+])
+def test_typed_sections_explain_errors_in_our_words(tmp_path, text, message):
+    assert re.search(message, spec_error(tmp_path, text))

@@ -172,8 +172,8 @@ def test_calibration_predicts_the_job_on_a_synthetic_clock(tmp_path, tiny_model)
     write_prompts(tmp_path / "in.parquet", n=60)
     spec = JobSpec.from_yaml(write_job(tmp_path, tiny_model[0], sampling={"max_tokens": 12, "ignore_eos": True},
                                        engine={"max_num_seqs": 8}))
-    work = load_workload(spec, read_model_config(spec.data["model"]))
-    engine = LLM(model=spec.data["model"], **spec.engine_options).engine
+    work = load_workload(spec, read_model_config(spec.model))
+    engine = LLM(model=spec.model, **spec.engine_options).engine
     real_step = engine.step
 
     def clocked_step():
@@ -212,7 +212,7 @@ def _calibrate_and_run(tmp_path, tiny_model, Job):
     job = write_job(tmp_path, tiny_model[0], sampling={"max_tokens": 12, "ignore_eos": True},
                     engine={"max_num_seqs": 8})
     spec = JobSpec.from_yaml(job)
-    model = read_model_config(spec.data["model"])
+    model = read_model_config(spec.model)
     report = calibrate(spec, load_workload(spec, model), 0.2)
     assert report["pilot"]["requests"] == 12 and report["fit"]["steps"] >= 10
     predicted = report["predicted"]["makespan_s"]

@@ -14,7 +14,7 @@ from batchrun.engine import cpu_dtype, kv_cache, kv_sizing, loader
 from batchrun.engine.backends import get_backend
 from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.model_runner import ModelRunner
-from batchrun.engine.request import Request, RequestOutput, RequestStatus
+from batchrun.engine.request import Request, RequestOutput
 from batchrun.engine.sampler import Sampler
 from batchrun.engine.scheduler import Lane, Scheduler, WaitingQueue, default_admission_key
 from batchrun.engine.stop import StopRule
@@ -110,9 +110,7 @@ class Engine:
 
     def _compute_dtype(self) -> torch.dtype:
         if self.config.dtype != "auto":
-            if self.config.dtype not in _DTYPES:
-                raise ValueError(f"dtype: unknown value {self.config.dtype!r}; allowed: auto, {', '.join(_DTYPES)}")
-            return _DTYPES[self.config.dtype]
+            return _DTYPES[self.config.dtype]   # EngineConfig checked the name
         if self.device.type == "cpu":
             dtype, why = cpu_dtype.auto_cpu_dtype()
             log.info("compute dtype (auto) %s", why)

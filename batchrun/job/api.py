@@ -45,7 +45,7 @@ class Job:
 
     @property
     def output_dir(self) -> str:
-        return self.spec.resolve(self.spec.data["output"]["path"])
+        return self.spec.resolve(self.spec.output.path)
 
     def run(self, restart: bool = False, progress: str = "auto", serve=None) -> JobResult:
         """Run to completion or resume; progress: auto (bar on a terminal), bar, or log. serve: an optional

@@ -20,14 +20,14 @@ QUANTIZED = ("int8", "fp8")
 
 def sample(spec: JobSpec, tokenizer, max_model_len: int, n: int) -> tuple[list[list[int]], list]:
     """The first n good rows of the job: (token ids, SamplingParams)."""
-    encoder = PromptEncoder(spec, tokenizer, max_model_len)
+    encoder = PromptEncoder(spec.input, tokenizer, max_model_len)
     prompts, params = [], []
     for rows in prepare.open_source(spec).batches(max(n, 64)):
-        by_index = encoder.prepare(rows)
+        encoder.prepare(rows)
         for row in rows:
             if not row.error and len(prompts) < n:
                 prompts.append(row.token_ids)
-                params.append(by_index[row.index])
+                params.append(row.params)
         if len(prompts) >= n:
             break
     return prompts, params
@@ -43,7 +43,7 @@ def kvcheck(spec: JobSpec, n: int, kv_cache_dtype: str | None = None) -> KVCheck
                        f"({', '.join(QUANTIZED)}) against unquantized KV, got {dtype!r}")
 
     def make_llm(kv_dtype: str):
-        return LLM(model=spec.data["model"], **{**options, "kv_cache_dtype": kv_dtype})
+        return LLM(model=spec.model, **{**options, "kv_cache_dtype": kv_dtype})
 
     first = make_llm("auto")   # also gives the tokenizer and context length for encoding the sample
     prompts, params = sample(spec, first.tokenizer, first.engine.max_model_len, n)
@@ -63,25 +63,25 @@ def saved_decision(out_dir: str) -> dict | None:
 
 def decide(spec: JobSpec, out_dir: str) -> dict:
     """Engine options for the run after the gate (unchanged when there is no gate or no 8-bit KV)."""
-    options, gate = dict(spec.engine_options), spec.data["kv_quality_gate"]
-    if not gate["sample"] or options.get("kv_cache_dtype") not in QUANTIZED:
+    options, gate = dict(spec.engine_options), spec.kv_quality_gate
+    if not gate.sample or options.get("kv_cache_dtype") not in QUANTIZED:
         return options
     path = os.path.join(out_dir, DECISION_FILE)
     decision = saved_decision(out_dir)
     if decision is None:
-        report = kvcheck(spec, gate["sample"])
-        passed = report.identical_fraction >= gate["min_identical"]
-        action = "kept" if passed else gate["on_fail"]
+        report = kvcheck(spec, gate.sample)
+        passed = report.identical_fraction >= gate.min_identical
+        action = "kept" if passed else gate.on_fail
         reason = (f"{report.identical_fraction:.1%} identical greedy outputs on {report.requests} sample prompts "
-                  f"{'>=' if passed else '<'} min_identical {gate['min_identical']:.1%}")
+                  f"{'>=' if passed else '<'} min_identical {gate.min_identical:.1%}")
         decision = {"report": report.as_dict(), "passed": passed, "action": action, "reason": reason,
                     "kv_cache_dtype": options["kv_cache_dtype"] if passed or action == "stop"
-                    else gate["fallback_dtype"]}
+                    else gate.fallback_dtype}
         with open(path + ".tmp", "w") as f:
             json.dump(decision, f, indent=2)
         os.replace(path + ".tmp", path)
     log.info("KV quality gate: %s -> %s (%s)", decision["reason"], decision["action"], decision["kv_cache_dtype"])
     if decision["action"] == "stop":
         raise JobError(f"{spec.where('kv_quality_gate')}: failed: {decision['reason']}; "
-                       f"set on_fail: fallback to run with {gate['fallback_dtype']} KV instead", EXIT_GATE_FAILED)
+                       f"set on_fail: fallback to run with {gate.fallback_dtype} KV instead", EXIT_GATE_FAILED)
     return {**options, "kv_cache_dtype": decision["kv_cache_dtype"]}

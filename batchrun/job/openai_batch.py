@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import pyarrow as pa
 
 from batchrun.job.errors import JobError
-from batchrun.job.source import Row, input_files
+from batchrun.job.source import Row, input_files, set_params
 from batchrun.job.spec import JobSpec
 
 URLS = ("/v1/chat/completions", "/v1/completions")
@@ -26,9 +26,9 @@ class OpenAIBatchSource:
     id_type = pa.string()
 
     def __init__(self, spec: JobSpec):
-        self.spec, self.inp = spec, spec.data["input"]
+        self.spec, self.inp = spec, spec.input
         self.files = input_files(spec)
-        if self.inp["passthrough"]:
+        if self.inp.passthrough:
             raise spec.fail(("input", "passthrough"), "is not supported for OpenAI batch input")
         for path in self.files:
             if not os.access(path, os.R_OK) or os.path.isdir(path):
@@ -38,7 +38,7 @@ class OpenAIBatchSource:
         return [pa.field("url", pa.string())]
 
     def _lines(self) -> Iterator[tuple[str, int, str]]:
-        left = self.inp["limit"]
+        left = self.inp.limit
         for path in self.files:
             with open(path, encoding="utf-8", errors="replace") as f:
                 for number, line in enumerate(f, 1):
@@ -62,7 +62,7 @@ class OpenAIBatchSource:
             if error is None:
                 body = request["body"]
                 row.prompt = body.get("messages") if request["url"] == URLS[0] else body.get("prompt")
-                row.params = {p: body[k] for k, p in BODY_PARAMS.items() if body.get(k) is not None}
+                set_params(self.spec, row, {p: body[k] for k, p in BODY_PARAMS.items() if body.get(k) is not None})
             rows.append(row)
             if len(rows) == batch_size:
                 yield rows

@@ -16,7 +16,7 @@ OUTPUT_FILES = ("data", "job.json", "summary.json", "metrics.prom", "job.log", "
 
 
 def open_source(spec: JobSpec) -> ParquetSource | OpenAIBatchSource:
-    if spec.data["input"]["format"] == "openai_batch":
+    if spec.input.format == "openai_batch":
         return OpenAIBatchSource(spec)
     return ParquetSource(spec)
 
@@ -24,7 +24,7 @@ def open_source(spec: JobSpec) -> ParquetSource | OpenAIBatchSource:
 def count_rows(spec: JobSpec, source) -> int:
     """Input rows (ids only are read); duplicate ids refuse the job unless input.allow_duplicate_ids."""
     seen, dupes, n = set(), [], 0
-    check = not spec.data["input"]["allow_duplicate_ids"]
+    check = not spec.input.allow_duplicate_ids
     for value in source.scan_ids():
         n += 1
         if check and value is not None:
@@ -41,7 +41,7 @@ def count_rows(spec: JobSpec, source) -> int:
 
 def output_dir(spec: JobSpec) -> str:
     """The output directory, created and proven writable."""
-    path = spec.resolve(spec.data["output"]["path"])
+    path = spec.resolve(spec.output.path)
     probe = os.path.join(path, f".write-test-{os.getpid()}")
     try:
         os.makedirs(path, exist_ok=True)
@@ -54,10 +54,10 @@ def output_dir(spec: JobSpec) -> str:
 
 
 def job_state(spec: JobSpec, files: list[str], rows: int) -> dict:
-    ident = {k: spec.data[k] for k in IDENTITY}
     inputs = [list(f) for f in fingerprint(files)]   # as it reads back from job.json
     digest = hashlib.sha256(json.dumps([spec.identity(), inputs]).encode()).hexdigest()[:16]
-    return {"identity": digest, "spec": ident, "inputs": inputs, "rows": rows, "job_file": os.path.abspath(spec.path)}
+    return {"identity": digest, "spec": spec.identity_fields(), "inputs": inputs, "rows": rows,
+            "job_file": os.path.abspath(spec.path)}
 
 
 def conflict(out_dir: str, state: dict) -> str | None:

@@ -51,9 +51,8 @@ class JobRunner:
         with JobLock(out_dir):
             total = prepare.count_rows(spec, source)
             prepare.claim_output(spec, out_dir, prepare.job_state(spec, source.files, total), self.restart)
-            out = spec.data["output"]
             sink = ResultSink(out_dir, result_schema(source.id_type, source.passthrough_schema()),
-                              out["shard_rows"], out["flush_every_s"])
+                              spec.output.shard_rows, spec.output.flush_every_s)
             done = sink.store.done_indices()
             handlers = self._log_to(out_dir)
             try:
@@ -66,7 +65,7 @@ class JobRunner:
                     handler.close()
 
     def _name(self) -> str:
-        return self.spec.data["name"] or os.path.splitext(os.path.basename(self.spec.path))[0]
+        return self.spec.name or os.path.splitext(os.path.basename(self.spec.path))[0]
 
     def _log_to(self, out_dir: str) -> list[logging.Handler]:
         """job.log in the output directory always; stderr too when there is no progress bar."""
@@ -84,29 +83,24 @@ class JobRunner:
         from batchrun import LLM
         spec = self.spec
         try:
-            llm = LLM(model=spec.data["model"], **kv_gate.decide(spec, out_dir))
+            llm = LLM(model=spec.model, **kv_gate.decide(spec, out_dir))
         except ValueError as exc:   # e.g. a KV budget too small for one request at max context
             raise JobError(f"{spec.path}: engine: {exc}") from exc
-        engine, batching = llm.engine, spec.data["batching"]
-        encoder = PromptEncoder(spec, llm.tokenizer, engine.max_model_len)
-        params: dict = {}
-
-        def prepare_rows(rows: list[Row]) -> None:
-            params.update(encoder.prepare(rows))
-
-        feed = RowFeed(source.batches(min(1024, batching["window"])), prepare_rows, batching["window"],
-                       batching["bucketing"], done, batching["longest_first"])
-        in_flight_cap = engine.config.max_num_seqs + (batching["max_waiting"] or 4 * engine.config.max_num_seqs)
+        engine, batching = llm.engine, spec.batching
+        encoder = PromptEncoder(spec.input, llm.tokenizer, engine.max_model_len)
+        feed = RowFeed(source.batches(min(1024, batching.window)), encoder.prepare, batching.window,
+                       batching.bucketing, done, batching.longest_first)
+        in_flight_cap = engine.config.max_num_seqs + (batching.max_waiting or 4 * engine.config.max_num_seqs)
         inflight: dict[str, Row] = {}
-        progress = Progress(total, len(done), self.tty, spec.data["output"]["log_every_s"], self._name())
+        progress = Progress(total, len(done), self.tty, spec.output.log_every_s, self._name())
         start, kv_peak = time.perf_counter(), 0
         with self._signals(), (self.serve(llm) if self.serve else contextlib.nullcontext()) as server:
             while self.stop_reason is None:
                 while len(inflight) < in_flight_cap and (item := feed.next()) is not None:
                     order_key, row = item
                     inflight[str(row.index)] = row
-                    engine.add_request(row.token_ids, params.pop(row.index), request_id=str(row.index),
-                                       lane=spec.data["engine"]["lane"], order_key=order_key)
+                    engine.add_request(row.token_ids, row.params, request_id=str(row.index),
+                                       lane=spec.engine.lane, order_key=order_key)
                 for row in feed.failed:
                     sink.add(_record(row))
                     progress.row(failed=True, tokens=0)
@@ -132,18 +126,18 @@ class JobRunner:
                 "prompt_tokens_processed": s.prompt_tokens, "preemptions": s.preemptions,
                 "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens, "kv_blocks_peak": kv_peak,
                 "kv_blocks_total": engine.num_blocks, "kv_block_size": engine.config.block_size,
-                "kv_bytes_per_token": engine.kv_bytes_per_token, "bucketing": batching["bucketing"],
+                "kv_bytes_per_token": engine.kv_bytes_per_token, "bucketing": batching.bucketing,
                 "kv_cache_dtype": engine.config.kv_cache_dtype, "kv_quality_gate": kv_gate.saved_decision(out_dir),
-                "longest_first": batching["longest_first"]}
+                "longest_first": batching.longest_first}
 
     def _finish(self, out_dir: str, sink: ResultSink, run: dict) -> dict:
-        out = self.spec.data["output"]
+        out = self.spec.output
         if not self.stop_reason:
-            if out["order"] == "input":
+            if out.order == "input":
                 sink.sort_by_input()
-            if out["openai_batch"]:
+            if out.openai_batch:
                 from batchrun.job.openai_batch import write_output
-                write_output(sink.store.read(), os.path.join(out_dir, "output.jsonl"), self.spec.data["model"])
+                write_output(sink.store.read(), os.path.join(out_dir, "output.jsonl"), self.spec.model)
         failed = counts(out_dir)["rows_failed"]
         code = EXIT_INTERRUPTED if self.stop_reason else EXIT_FAILED_ROWS if failed else EXIT_OK
         run = {"rows_this_run": 0, "wall_s": 0.0, "output_tokens_this_run": 0, "output_tokens_per_s": 0.0,

@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 
 from batchrun.job.errors import JobError
 from batchrun.job.spec import JobSpec
+from batchrun.sampling_params import SamplingParams
 
 ROW_PARAM_COLUMNS = {"max_tokens_column": "max_tokens", "temperature_column": "temperature",
                      "top_p_column": "top_p", "seed_column": "seed"}
@@ -28,17 +29,25 @@ class Row:
     index: int                               # position in the input: the row's identity in the output
     id: Any
     prompt: str | list | None = None         # text or chat messages
-    params: dict = field(default_factory=dict)   # per-row sampling overrides
+    params: SamplingParams | None = None     # built once when the row is read; rides with it to the engine
     passthrough: dict = field(default_factory=dict)
     error: str | None = None
     token_ids: list[int] | None = None
 
 
+def set_params(spec: JobSpec, row: Row, overrides: dict) -> None:
+    """The row's SamplingParams: the job's sampling section under the row's own values; bad values fail the row."""
+    try:
+        row.params = spec.sampling_params(**overrides)
+    except (ValueError, TypeError) as exc:
+        row.error = f"{exc} (per-row value)"
+
+
 def input_files(spec: JobSpec) -> list[str]:
     """The input path as a file, a directory (its *.parquet / *.jsonl, sorted) or a glob."""
-    path = spec.resolve(spec.data["input"]["path"])
+    path = spec.resolve(spec.input.path)
     if os.path.isdir(path):
-        ext = ".jsonl" if spec.data["input"]["format"] == "openai_batch" else ".parquet"
+        ext = ".jsonl" if spec.input.format == "openai_batch" else ".parquet"
         files = sorted(glob.glob(os.path.join(path, "**", f"*{ext}"), recursive=True))
     elif glob.has_magic(path):
         files = sorted(glob.glob(path, recursive=True))
@@ -55,7 +64,7 @@ def fingerprint(files: list[str]) -> list[tuple]:
 
 class ParquetSource:
     def __init__(self, spec: JobSpec):
-        self.spec, self.inp = spec, spec.data["input"]
+        self.spec, self.inp = spec, spec.input
         self.files = input_files(spec)
         self.id_type = None
         for path in self.files:
@@ -79,35 +88,35 @@ class ParquetSource:
                 raise JobError(f"{path}: column {column!r} (input.{key}) must hold {kind}, but its type is {t}")
             return t
 
-        id_type = need("id_column", inp["id_column"], lambda t: pa.types.is_string(t) or pa.types.is_large_string(t)
+        id_type = need("id_column", inp.id_column, lambda t: pa.types.is_string(t) or pa.types.is_large_string(t)
                        or pa.types.is_integer(t), "strings or integers")
         if self.id_type is not None and id_type != self.id_type:
-            raise JobError(f"{path}: column {inp['id_column']!r} has type {id_type}, but {self.files[0]} has "
+            raise JobError(f"{path}: column {inp.id_column!r} has type {id_type}, but {self.files[0]} has "
                            f"{self.id_type}; all input files must agree")
         self.id_type = id_type
-        if inp["prompt_column"]:
-            need("prompt_column", inp["prompt_column"], _is_text, "text (string)")
-        if inp["messages_column"]:
-            need("messages_column", inp["messages_column"], _is_messages,
+        if inp.prompt_column:
+            need("prompt_column", inp.prompt_column, _is_text, "text (string)")
+        if inp.messages_column:
+            need("messages_column", inp.messages_column, _is_messages,
                  "chat messages (a list of structs with string fields role and content)")
-        for column in inp.get("template_columns", []):
+        for column in inp.template_columns:
             need("template", column)
         for key, kind in _KINDS.items():
-            if inp[key]:
-                need(key, inp[key], pa.types.is_integer if kind == _INTEGER else
+            if getattr(inp, key):
+                need(key, getattr(inp, key), pa.types.is_integer if kind == _INTEGER else
                      lambda t: pa.types.is_integer(t) or pa.types.is_floating(t), kind)
-        for column in inp["passthrough"]:
+        for column in inp.passthrough:
             need("passthrough", column)
 
     def passthrough_schema(self) -> list[pa.Field]:
         schema = self._open(self.files[0]).schema_arrow
-        return [schema.field(c) for c in self.inp["passthrough"]]
+        return [schema.field(c) for c in self.inp.passthrough]
 
     def scan_ids(self) -> Iterator[Any]:
         """Every id in input order (only the id column is read), up to input.limit."""
-        left = self.inp["limit"]
+        left = self.inp.limit
         for path in self.files:
-            for batch in self._open(path).iter_batches(columns=[self.inp["id_column"]], batch_size=65536):
+            for batch in self._open(path).iter_batches(columns=[self.inp.id_column], batch_size=65536):
                 ids = batch.column(0).to_pylist()
                 for value in ids[:left] if left is not None else ids:
                     yield value
@@ -119,10 +128,10 @@ class ParquetSource:
     def batches(self, batch_size: int = 1024) -> Iterator[list[Row]]:
         """Rows in input order, one record batch at a time (only the columns the job uses are read)."""
         inp = self.inp
-        columns = [inp["id_column"], inp["prompt_column"], inp["messages_column"], *inp.get("template_columns", []),
-                   *(inp[k] for k in ROW_PARAM_COLUMNS), *inp["passthrough"]]
+        columns = [inp.id_column, inp.prompt_column, inp.messages_column, *inp.template_columns,
+                   *(getattr(inp, k) for k in ROW_PARAM_COLUMNS), *inp.passthrough]
         columns = list(dict.fromkeys(c for c in columns if c))
-        index, left = 0, inp["limit"]
+        index, left = 0, inp.limit
         for path in self.files:
             for batch in self._open(path).iter_batches(columns=columns, batch_size=batch_size):
                 records = batch.to_pylist()
@@ -135,18 +144,20 @@ class ParquetSource:
 
     def _row(self, index: int, r: dict) -> Row:
         inp = self.inp
-        row = Row(index, r[inp["id_column"]], passthrough={c: r[c] for c in inp["passthrough"]})
-        row.params = {param: r[inp[key]] for key, param in ROW_PARAM_COLUMNS.items() if inp[key]}
+        row = Row(index, r[inp.id_column], passthrough={c: r[c] for c in inp.passthrough})
         if row.id is None:
-            row.error = f"input: null id in column {inp['id_column']!r}"
-        elif inp["template"]:
-            missing = [c for c in inp["template_columns"] if r[c] is None]
+            row.error = f"input: null id in column {inp.id_column!r}"
+            return row
+        set_params(self.spec, row, {param: r[getattr(inp, key)] for key, param in ROW_PARAM_COLUMNS.items()
+                                    if getattr(inp, key)})
+        if inp.template:
+            missing = [c for c in inp.template_columns if r[c] is None]
             if missing:
-                row.error = f"prompt: template column {missing[0]!r} is null"
+                row.error = row.error or f"prompt: template column {missing[0]!r} is null"
             else:
-                row.prompt = inp["template"].format_map(r)
+                row.prompt = inp.template.format_map(r)
         else:
-            row.prompt = r[inp["messages_column"] or inp["prompt_column"]]
+            row.prompt = r[inp.messages_column or inp.prompt_column]
         return row
 
 

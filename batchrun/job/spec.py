@@ -1,77 +1,154 @@
-"""The job file: YAML in, a validated JobSpec out. Every error names the field and, where known, the line."""
+"""The job file: YAML in, a typed JobSpec out. Every error names the field and, where known, the line.
+
+Each section is a pydantic model: unknown keys refused, types and choices declared once. The engine and sampling
+sections are built from EngineConfig and SamplingParams (their fields, types and defaults), whose own checks give
+the ranges, so a new engine or sampling option needs no change here. `batchrun schema` exports the JSON Schema.
+"""
 from __future__ import annotations
 
-import copy
+import dataclasses
 import difflib
 import hashlib
 import json
 import os
 import string
+import typing
+from typing import Literal, Optional
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, create_model, model_validator
 
 from batchrun.config import EngineConfig
 from batchrun.job.errors import JobError
 from batchrun.sampling_params import SamplingParams
 
-_STR, _INT, _NUM, _BOOL, _LIST = (str,), (int,), (int, float), (bool,), (list,)
-# section -> key -> (allowed types, default); None as a default means "not set"
-SCHEMA: dict[str, dict[str, tuple]] = {
-    "engine": {"kv_cache_memory": ((str, int), "2GiB"), "kv_cache_dtype": (_STR, None), "block_size": (_INT, None),
-               "max_num_seqs": (_INT, None), "max_num_batched_tokens": (_INT, None), "max_model_len": (_INT, None),
-               "enable_prefix_caching": (_BOOL, None), "device": (_STR, None), "dtype": (_STR, None),
-               "seed": (_INT, None), "trust_remote_code": (_BOOL, None), "tokenizer": (_STR, None),
-               "gpu_memory_utilization": (_NUM, None), "attention_backend": (_STR, None), "lane": (_STR, "batch"),
-               "interactive_lane": (_BOOL, None), "interactive_kv_memory": ((str, int), None),
-               "interactive_kv_cache_dtype": (_STR, None), "interactive_max_num_seqs": (_INT, None),
-               "interactive_token_share": (_NUM, None), "batch_tokens_while_interactive": (_INT, None)},
-    "input": {"path": (_STR, None), "format": (_STR, "auto"), "id_column": (_STR, "id"),
-              "prompt_column": (_STR, None), "template": (_STR, None), "messages_column": (_STR, None),
-              "chat": (_BOOL, False), "system_prompt": (_STR, None), "truncate": (_STR, "none"),
-              "max_tokens_column": (_STR, None), "temperature_column": (_STR, None), "top_p_column": (_STR, None),
-              "seed_column": (_STR, None), "passthrough": (_LIST, []), "limit": (_INT, None),
-              "allow_duplicate_ids": (_BOOL, False)},
-    "sampling": {"max_tokens": (_INT, 64), "temperature": (_NUM, 0.0), "top_p": (_NUM, 1.0), "top_k": (_INT, 0),
-                 "seed": (_INT, None), "stop": ((str, list), None), "ignore_eos": (_BOOL, False)},
-    "output": {"path": (_STR, None), "openai_batch": (_BOOL, False), "order": (_STR, "finish"),
-               "shard_rows": (_INT, 256), "flush_every_s": (_NUM, 30.0), "log_every_s": (_NUM, 30.0)},
-    "kv_quality_gate": {"sample": (_INT, 0), "min_identical": (_NUM, 0.9), "on_fail": (_STR, "stop"),
-                        "fallback_dtype": (_STR, "auto")},
-    "batching": {"bucketing": (_BOOL, True), "longest_first": (_BOOL, False), "window": (_INT, 8192),
-                 "max_waiting": (_INT, None)},
-}
-TOP_LEVEL = {"name": (_STR, None), "model": (_STR, "smollm2-135m")}
-CHOICES = {("input", "format"): ("auto", "parquet", "openai_batch"), ("input", "truncate"): ("none", "left", "right"),
-           ("output", "order"): ("finish", "input"), ("kv_quality_gate", "on_fail"): ("stop", "fallback"),
-           ("kv_quality_gate", "fallback_dtype"): ("auto", "float32", "float16", "bfloat16")}
-POSITIVE = {("input", "limit"), ("output", "shard_rows"), ("batching", "window"), ("batching", "max_waiting"),
-            ("sampling", "max_tokens")}
+# Deliberate differences from SamplingParams (vLLM's defaults, kept for the Python API): a nightly job is greedy and
+# reproducible by default, with room for a real answer.
+JOB_SAMPLING_DEFAULTS = {"max_tokens": 64, "temperature": 0.0}
 # sections that change what rows contain (the job's identity); engine, batching and logging only change speed
 IDENTITY = ("model", "input", "sampling")
 
 
-def _did_you_mean(key: str, allowed) -> str:
-    close = difflib.get_close_matches(key, list(allowed), n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else f"; allowed: {', '.join(allowed)}"
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
-def _line_map(text: str) -> dict[tuple, int]:
-    lines: dict[tuple, int] = {}
+def section_from(cls, name: str, skip: tuple[str, ...] = (), defaults: dict | None = None, **extra) -> type[Section]:
+    """A section whose keys are the dataclass's fields (same types and defaults), minus `skip`, plus `extra`."""
+    hints, defaults = typing.get_type_hints(cls), defaults or {}
+    fields = {}
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        if f.name in defaults:
+            default = defaults[f.name]
+        elif f.default_factory is not dataclasses.MISSING:
+            default = Field(default_factory=f.default_factory)
+        else:
+            default = f.default
+        fields[f.name] = (hints[f.name], default)
+    return create_model(name, __base__=Section, **fields, **extra)
 
-    def walk(node, path):
-        if isinstance(node, yaml.MappingNode):
-            for key, value in node.value:
-                sub = path + (str(key.value),)
-                lines[sub] = key.start_mark.line + 1
-                walk(value, sub)
-    walk(yaml.compose(text), ())
-    return lines
+
+EngineSection = section_from(EngineConfig, "EngineSection", skip=("model",),
+                             lane=(Literal["batch", "interactive"], "batch"))
+# logprobs: the job's output has no column for them
+SamplingSection = section_from(SamplingParams, "SamplingSection", skip=("logprobs",),
+                               defaults=JOB_SAMPLING_DEFAULTS)
+
+
+class InputSection(Section):
+    path: str
+    format: Literal["auto", "parquet", "openai_batch"] = "auto"
+    id_column: str = "id"
+    prompt_column: Optional[str] = None
+    template: Optional[str] = Field(None, description="a prompt from columns: 'Summarize: {article}'")
+    messages_column: Optional[str] = None
+    chat: bool = Field(False, description="wrap a plain prompt as a user message and apply the chat template")
+    system_prompt: Optional[str] = None
+    truncate: Literal["none", "left", "right"] = "none"
+    max_tokens_column: Optional[str] = None
+    temperature_column: Optional[str] = None
+    top_p_column: Optional[str] = None
+    seed_column: Optional[str] = None
+    passthrough: list[str] = Field(default_factory=list, description="input columns copied to the output")
+    limit: Optional[PositiveInt] = None
+    allow_duplicate_ids: bool = False
+
+    @model_validator(mode="after")
+    def _fill_derived(self):
+        if self.format == "auto":
+            self.format = "openai_batch" if self.path.endswith((".jsonl", ".jsonl.gz")) else "parquet"
+        if self.format == "parquet" and not (self.prompt_column or self.template or self.messages_column):
+            self.prompt_column = "prompt"
+        return self
+
+    @property
+    def template_columns(self) -> list[str]:
+        """The columns the template names, in order (checked to be identifiers when the spec is read)."""
+        if not self.template:
+            return []
+        return list(dict.fromkeys(f for _, f, _, _ in string.Formatter().parse(self.template) if f is not None))
+
+
+class OutputSection(Section):
+    path: str
+    openai_batch: bool = Field(False, description="also write output.jsonl in the OpenAI Batch API format")
+    order: Literal["finish", "input"] = "finish"
+    shard_rows: PositiveInt = 256
+    flush_every_s: float = 30.0
+    log_every_s: float = 30.0
+
+
+class KVQualityGateSection(Section):
+    sample: int = Field(0, ge=0, description="prompts compared before the run (0: no gate)")
+    min_identical: float = Field(0.9, ge=0, le=1)
+    on_fail: Literal["stop", "fallback"] = "stop"
+    fallback_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+
+
+class BatchingSection(Section):
+    bucketing: bool = True
+    longest_first: bool = False
+    window: PositiveInt = 8192
+    max_waiting: Optional[PositiveInt] = None
+
+
+class JobModel(Section):
+    """A batchrun job file."""
+    name: Optional[str] = None
+    model: str = EngineConfig.model
+    input: InputSection
+    output: OutputSection
+    sampling: SamplingSection = Field(default_factory=SamplingSection)
+    engine: EngineSection = Field(default_factory=EngineSection)
+    batching: BatchingSection = Field(default_factory=BatchingSection)
+    kv_quality_gate: KVQualityGateSection = Field(default_factory=KVQualityGateSection)
+
+
+def json_schema() -> dict:
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **JobModel.model_json_schema()}
 
 
 class JobSpec:
+    name: str | None
+    model: str
+    input: InputSection
+    output: OutputSection
+    sampling: SamplingSection
+    engine: EngineSection
+    batching: BatchingSection
+    kv_quality_gate: KVQualityGateSection
+
     def __init__(self, raw: dict, path: str = "<dict>", lines: dict | None = None, base_dir: str = "."):
         self.path, self.lines, self.base_dir = path, lines or {}, base_dir
-        self.data = self._validate(raw)
+        try:
+            job = JobModel.model_validate(_without_nulls(raw))
+        except ValidationError as exc:
+            raise self._explain(exc.errors()[0]) from None
+        for section in JobModel.model_fields:
+            setattr(self, section, getattr(job, section))
+        self._check_rules()
 
     @classmethod
     def from_yaml(cls, path: str, overrides: list[str] = ()) -> "JobSpec":
@@ -94,105 +171,151 @@ class JobSpec:
     def where(self, *key) -> str:
         line = self.lines.get(key)
         field = ".".join(key)
+        # a line number in the job file, or the flag that set the field ("--set", "--max-tokens"...)
         return f"{self.path}: {field}" + (f" (line {line})" if isinstance(line, int) else
-                                          " (from --set)" if line == "--set" else "")
+                                          f" (from {line})" if line else "")
 
     def fail(self, key: tuple, message: str) -> JobError:
         return JobError(f"{self.where(*key)}: {message}")
 
-    def _validate(self, raw: dict) -> dict:
-        data: dict = {}
-        for key in raw:
-            if key not in TOP_LEVEL and key not in SCHEMA:
-                raise self.fail((key,), f"unknown key{_did_you_mean(key, [*TOP_LEVEL, *SCHEMA])}")
-        for key, (types, default) in TOP_LEVEL.items():
-            data[key] = self._check((key,), raw.get(key, default), types)
-        for section, fields in SCHEMA.items():
-            given = raw.get(section) or {}
-            if not isinstance(given, dict):
-                raise self.fail((section,), f"must be a mapping of {', '.join(fields)}")
-            for key in given:
-                if key not in fields:
-                    raise self.fail((section, key), f"unknown key{_did_you_mean(key, fields)}")
-            data[section] = {k: self._check((section, k), given.get(k, copy.copy(d)), t)
-                             for k, (t, d) in fields.items()}
-        self._check_rules(data)
-        return data
+    def _explain(self, error: dict) -> JobError:
+        """pydantic's first error as ours: the field path (line number added by fail), a message and a hint."""
+        loc = error["loc"]
+        top = JobModel.model_fields[loc[0]].annotation if loc and loc[0] in JobModel.model_fields else None
+        model = top if isinstance(top, type) and issubclass(top, Section) else None
+        key = tuple(loc[:2] if model else loc[:1])
+        owner = model if len(key) == 2 else JobModel
+        kind, value = error["type"], error.get("input")
+        if kind == "extra_forbidden":
+            return self.fail(key, f"unknown key{_did_you_mean(key[-1], owner.model_fields)}")
+        if kind == "missing":
+            return self.fail(key[:-1], f"{key[-1]} is required") if len(key) == 2 else \
+                self.fail(key, "is required")
+        if len(key) == 1 and model:   # a section that is not a mapping
+            return self.fail(key, f"must be a mapping of {', '.join(model.model_fields)}")
+        annotation = owner.model_fields[key[-1]].annotation
+        if kind == "literal_error":
+            return self.fail(key, f"unknown value {value!r}; allowed: {', '.join(_choices(annotation))}")
+        if kind in ("greater_than", "greater_than_equal", "less_than_equal"):
+            return self.fail(key, f"must be {_bound(error)}, got {value!r}")
+        if kind.endswith("_type") or kind in ("int_from_float", "bool_parsing"):
+            item = loc[len(key)] if len(loc) > len(key) and isinstance(loc[len(key)], int) else None
+            got = f"item {item} is {value!r}" if item is not None else f"got {value!r}"
+            return self.fail(key, f"must be {_describe(annotation)}, {got}")
+        return self.fail(key, error["msg"].removeprefix("Value error, "))
 
-    def _check(self, key: tuple, value, types):
-        if value is None:
-            return None
-        if isinstance(value, bool) and bool not in types or not isinstance(value, types):
-            names = "a number" if types == _NUM else " or ".join(
-                {"str": "a string", "int": "an integer", "bool": "true/false", "list": "a list"}[t.__name__]
-                for t in types)
-            raise self.fail(key, f"must be {names}, got {value!r}")
-        if key in CHOICES and value not in CHOICES[key]:
-            raise self.fail(key, f"unknown value {value!r}; allowed: {', '.join(CHOICES[key])}")
-        if key in POSITIVE and value <= 0:
-            raise self.fail(key, f"must be a positive integer, got {value!r}")
-        return value
-
-    def _check_rules(self, data: dict) -> None:
-        inp = data["input"]
-        if not 0 <= data["kv_quality_gate"]["min_identical"] <= 1:
-            raise self.fail(("kv_quality_gate", "min_identical"), "must be a fraction in [0, 1], got "
-                                                                  f"{data['kv_quality_gate']['min_identical']!r}")
-        for section, key in (("input", "path"), ("output", "path")):
-            if not data[section][key]:
-                raise self.fail((section,), f"{key} is required")
-        if inp["format"] == "auto":
-            inp["format"] = "openai_batch" if inp["path"].endswith((".jsonl", ".jsonl.gz")) else "parquet"
-        given = [k for k in ("prompt_column", "template", "messages_column") if inp[k]]
+    def _check_rules(self) -> None:
+        """What one field's type cannot say: exclusive keys, a template's syntax, and EngineConfig's and
+        SamplingParams' own range checks (so those live in one place)."""
+        inp = self.input
+        given = [k for k in ("prompt_column", "template", "messages_column") if getattr(inp, k)]
         if len(given) > 1:
             raise self.fail(("input", given[1]), f"give one of prompt_column, template, messages_column, not "
                                                  f"{' and '.join(given)}")
-        if inp["format"] == "parquet" and not given:
-            inp["prompt_column"] = "prompt"
-        if inp["system_prompt"] and not (inp["chat"] or inp["messages_column"]):
+        if inp.system_prompt and not (inp.chat or inp.messages_column):
             raise self.fail(("input", "system_prompt"), "needs chat: true or a messages_column")
-        if inp["template"]:
+        if inp.template:
             try:
-                fields = [f for _, f, _, _ in string.Formatter().parse(inp["template"]) if f is not None]
+                fields = inp.template_columns
             except ValueError as exc:
                 raise self.fail(("input", "template"), f"not a valid template ({exc}); use {{column}} "
                                                        f"placeholders and {{{{ }}}} for literal braces") from exc
             if not fields or any(not f.isidentifier() for f in fields):
                 raise self.fail(("input", "template"), "needs {column} placeholders naming input columns")
-            inp["template_columns"] = list(dict.fromkeys(fields))
-        if any(not isinstance(c, str) for c in inp["passthrough"]):
-            raise self.fail(("input", "passthrough"), "must be a list of column names")
-        engine = {k: v for k, v in data["engine"].items() if v is not None and k != "lane"}
         try:
-            EngineConfig(model=data["model"], **engine)
+            EngineConfig(model=self.model, **self.engine_options)
         except ValueError as exc:
-            field = str(exc).split(":", 1)[0]
-            raise self.fail(("engine", field), str(exc).split(": ", 1)[-1]) from exc
-        self.sampling_params(data)
+            raise self._field_error("engine", exc) from exc
+        try:
+            self.sampling_params()
+        except ValueError as exc:
+            raise self._field_error("sampling", exc) from exc
 
-    def sampling_params(self, data: dict | None = None, **row) -> SamplingParams:
-        s = dict((data or self.data)["sampling"])
-        s.update({k: v for k, v in row.items() if v is not None})
-        try:
-            return SamplingParams(**{k: v for k, v in s.items() if v is not None})
-        except ValueError as exc:
-            field = str(exc).split(":", 1)[0]
-            if row:
-                raise
-            raise self.fail(("sampling", field), str(exc).split(": ", 1)[-1]) from exc
+    def _field_error(self, section: str, exc: ValueError) -> JobError:
+        """'field: message' from EngineConfig or SamplingParams, placed at section.field."""
+        field, _, message = str(exc).partition(": ")
+        return self.fail((section, field), message)
+
+    def sampling_params(self, **row) -> SamplingParams:
+        """The job's SamplingParams, with a row's own values (None: not given) over the sampling section."""
+        return SamplingParams(**{**self.sampling.model_dump(), **{k: v for k, v in row.items() if v is not None}})
 
     def resolve(self, path: str) -> str:
         return path if os.path.isabs(path) else os.path.normpath(os.path.join(self.base_dir, path))
 
     @property
     def engine_options(self) -> dict:
-        return {k: v for k, v in self.data["engine"].items() if v is not None and k != "lane"}
+        """The EngineConfig options the job sets (the others keep EngineConfig's defaults)."""
+        return self.engine.model_dump(exclude_unset=True, exclude={"lane"})
+
+    def identity_fields(self) -> dict:
+        """What decides the rows' contents: model, input (its path made absolute) and sampling."""
+        fields = {"model": self.model, "input": self.input.model_dump(), "sampling": self.sampling.model_dump()}
+        fields["input"]["path"] = self.resolve(self.input.path)
+        return fields
 
     def identity(self) -> str:
-        """Hash of what decides the rows' contents (model, input, sampling); engine and batching may change."""
-        ident = {k: self.data[k] for k in IDENTITY}
-        ident["input"] = {**ident["input"], "path": self.resolve(ident["input"]["path"])}
-        return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        """Hash of the identity fields; engine and batching settings may change between runs of one job."""
+        return hashlib.sha256(json.dumps(self.identity_fields(), sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _without_nulls(raw: dict) -> dict:
+    """A key set to null (or an empty section) means 'not set': the default applies."""
+    return {k: ({kk: vv for kk, vv in v.items() if vv is not None} if isinstance(v, dict) else v)
+            for k, v in raw.items() if v is not None}
+
+
+def _did_you_mean(key: str, allowed) -> str:
+    close = difflib.get_close_matches(key, list(allowed), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else f"; allowed: {', '.join(allowed)}"
+
+
+def _choices(annotation) -> list[str]:
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if len(args) == 1 and typing.get_origin(args[0]) is Literal:
+        args = typing.get_args(args[0])
+    return [str(a) for a in args]
+
+
+_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true/false", list: "a list",
+               dict: "a mapping"}
+
+
+def _describe(annotation) -> str:
+    """'an integer', 'a string or an integer', 'a list of strings'... for an error message."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return _describe(args[0])
+    if origin is Literal:
+        return "one of " + ", ".join(map(str, args))
+    if origin is list and args:
+        return f"a list of {_describe(args[0]).removeprefix('a ').removeprefix('an ')}s"
+    if args and origin is not list:   # a union: None means 'not set', not a type to ask for
+        return " or ".join(_describe(a) for a in args if a is not type(None))
+    return _TYPE_NAMES.get(origin or annotation, str(annotation))
+
+
+def _bound(error: dict) -> str:
+    ctx = error.get("ctx", {})
+    if error["type"] == "greater_than" and ctx.get("gt") == 0:
+        return "a positive integer"
+    if "ge" in ctx and "le" in ctx:
+        return f"in [{ctx['ge']}, {ctx['le']}]"
+    return {"greater_than": f"> {ctx.get('gt')}", "greater_than_equal": f">= {ctx.get('ge')}",
+            "less_than_equal": f"<= {ctx.get('le')}"}[error["type"]]
+
+
+def _line_map(text: str) -> dict[tuple, int]:
+    lines: dict[tuple, int] = {}
+
+    def walk(node, path):
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                sub = path + (str(key.value),)
+                lines[sub] = key.start_mark.line + 1
+                walk(value, sub)
+    walk(yaml.compose(text), ())
+    return lines
 
 
 def apply_override(raw: dict, item: str, lines: dict) -> None:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import os
 
-from batchrun.config import parse_memory
+from batchrun.config import EngineConfig
+from batchrun.engine.kv_sizing import DEFAULT_CPU_KV_BYTES
 from batchrun.job import prepare
 from batchrun.job.prompts import PromptEncoder
 from batchrun.job.report import counts, read_state
@@ -16,7 +17,7 @@ def _percentile(sorted_values: list[int], q: float) -> int:
 
 def _writable(spec: JobSpec) -> str:
     """The output directory, or its nearest existing parent, must be writable (nothing is created)."""
-    path = spec.resolve(spec.data["output"]["path"])
+    path = spec.resolve(spec.output.path)
     probe = path
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
@@ -25,25 +26,28 @@ def _writable(spec: JobSpec) -> str:
     return path
 
 
+def _on_cpu(spec: JobSpec) -> bool:
+    import torch
+    return spec.engine.device == "cpu" or not torch.cuda.is_available()
+
+
 def _model_facts(spec: JobSpec):
     import torch
     from transformers import AutoConfig, AutoTokenizer
     from batchrun.engine import kv_cache
     from batchrun.engine.loader import resolve_model_path
-    engine = spec.data["engine"]
+    engine = spec.engine
     try:
-        path = resolve_model_path(spec.data["model"])
-        config = AutoConfig.from_pretrained(path, trust_remote_code=bool(engine["trust_remote_code"]))
-        tokenizer = AutoTokenizer.from_pretrained(engine["tokenizer"] or path,
-                                                  trust_remote_code=bool(engine["trust_remote_code"]))
+        path = resolve_model_path(spec.model)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=engine.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(engine.tokenizer or path, trust_remote_code=engine.trust_remote_code)
     except (ValueError, OSError) as exc:
         raise spec.fail(("model",), str(exc)) from exc
-    context = engine["max_model_len"] or getattr(config, "max_position_embeddings", 4096)
+    context = engine.max_model_len or getattr(config, "max_position_embeddings", 4096)
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    compute = torch.float32 if (engine["device"] or "cpu") == "cpu" or not torch.cuda.is_available() \
-        else torch.float16
-    kv_dtype = kv_cache.storage_dtype(engine["kv_cache_dtype"] or "auto", compute)
+    compute = torch.float32 if _on_cpu(spec) else torch.float16
+    kv_dtype = kv_cache.storage_dtype(engine.kv_cache_dtype, compute)
     return tokenizer, context, kv_cache.bytes_per_token(config.num_hidden_layers, heads, head_dim, kv_dtype)
 
 
@@ -52,20 +56,21 @@ def validate(spec: JobSpec) -> dict:
     rows = prepare.count_rows(spec, source)
     out_dir = _writable(spec)
     tokenizer, context, kv_bytes = _model_facts(spec)
-    encoder = PromptEncoder(spec, tokenizer, context)
+    encoder = PromptEncoder(spec.input, tokenizer, context)
     lengths, totals, errors = [], [], []
     for batch in source.batches():
-        params = encoder.prepare(batch)
+        encoder.prepare(batch)
         for row in batch:
             if row.error:
                 errors.append(f"row {row.index} (id {row.id!r}): {row.error}")
             else:
                 lengths.append(len(row.token_ids))
-                totals.append(len(row.token_ids) + params[row.index].max_tokens)
+                totals.append(len(row.token_ids) + row.params.max_tokens)
     lengths.sort()
     totals.sort()
-    budget = parse_memory(spec.data["engine"]["kv_cache_memory"]) if spec.data["engine"]["kv_cache_memory"] else None
-    report = {"job": spec.path, "model": spec.data["model"], "input_files": len(source.files), "rows": rows,
+    # unset on CUDA: sized from a profiled step at start-up, not known here
+    budget = EngineConfig(**spec.engine_options).kv_cache_bytes or (DEFAULT_CPU_KV_BYTES if _on_cpu(spec) else None)
+    report = {"job": spec.path, "model": spec.model, "input_files": len(source.files), "rows": rows,
               "rows_failing_before_generation": len(errors), "first_errors": errors[:5],
               "prompt_tokens": {f"p{q}": _percentile(lengths, q) for q in (50, 90, 99)} | {"max": lengths[-1]
                                                                                          if lengths else 0},
@@ -73,7 +78,7 @@ def validate(spec: JobSpec) -> dict:
               "kv_per_request_mib": {"p50": round(_percentile(totals, 50) * kv_bytes / 2**20, 2),
                                      "max": round((totals[-1] if totals else 0) * kv_bytes / 2**20, 2)},
               "kv_for_all_max_num_seqs_p90_mib": round(
-                  (spec.data["engine"]["max_num_seqs"] or 128) * _percentile(totals, 90) * kv_bytes / 2**20, 1),
+                  spec.engine.max_num_seqs * _percentile(totals, 90) * kv_bytes / 2**20, 1),
               "kv_cache_memory_mib": round(budget / 2**20, 1) if budget else None,
               "output": out_dir, "output_state": _output_state(spec, source, rows, out_dir)}
     return report

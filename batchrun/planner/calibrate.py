@@ -69,7 +69,7 @@ class Calibration:
 def run_calibration(spec: JobSpec, work: Workload, fraction: float = 0.2, llm=None) -> Calibration:
     from batchrun import LLM
     if llm is None:
-        llm = LLM(model=spec.data["model"], **spec.engine_options)
+        llm = LLM(model=spec.model, **spec.engine_options)
     picked = pilot_indices(len(work.items), fraction)
     pilot = [work.items[i] for i in picked]
     shapes, times, lengths, wall = run_pilot(llm, spec, pilot)

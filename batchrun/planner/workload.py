@@ -6,7 +6,6 @@ import json
 import os
 from dataclasses import dataclass
 
-from batchrun.config import EngineConfig
 from batchrun.job import prepare
 from batchrun.job.errors import JobError
 from batchrun.job.prompts import PromptEncoder
@@ -46,40 +45,36 @@ def read_model_config(source: str, trust_remote_code: bool = False, field: str =
 
 
 def engine_settings(spec: JobSpec, max_num_seqs: int | None = None) -> dict:
-    engine, defaults = spec.data["engine"], EngineConfig()
-    return {"block_size": engine["block_size"] or defaults.block_size,
-            "max_num_seqs": max_num_seqs or engine["max_num_seqs"] or defaults.max_num_seqs,
-            "max_num_batched_tokens": engine["max_num_batched_tokens"] or defaults.max_num_batched_tokens,
-            "prefix_caching": defaults.enable_prefix_caching if engine["enable_prefix_caching"] is None
-            else engine["enable_prefix_caching"]}
+    engine = spec.engine
+    return {"block_size": engine.block_size, "max_num_seqs": max_num_seqs or engine.max_num_seqs,
+            "max_num_batched_tokens": engine.max_num_batched_tokens, "prefix_caching": engine.enable_prefix_caching}
 
 
 def load_workload(spec: JobSpec, model: ModelSpec, max_num_seqs: int | None = None,
                   keep_token_ids: bool = True) -> Workload:
     """Tokenize the job's prompts as `batchrun validate` does (no model load); output length = max_tokens."""
     from batchrun.engine.loader import load_tokenizer, resolve_model_path
-    engine = spec.data["engine"]
+    engine = spec.engine
     try:
-        tokenizer = load_tokenizer(engine["tokenizer"] or resolve_model_path(spec.data["model"]),
-                                   bool(engine["trust_remote_code"]))
+        tokenizer = load_tokenizer(engine.tokenizer or resolve_model_path(spec.model), engine.trust_remote_code)
     except (OSError, ValueError) as exc:
         raise spec.fail(("model",), f"cannot load the tokenizer ({exc})") from exc
     if tokenizer is None:
         raise spec.fail(("model",), "has no tokenizer files: the planner needs them to measure prompt lengths")
-    context = min(engine["max_model_len"] or model.max_context, model.max_context)
+    context = min(engine.max_model_len or model.max_context, model.max_context)
     source = prepare.open_source(spec)
-    encoder = PromptEncoder(spec, tokenizer, context)
+    encoder = PromptEncoder(spec.input, tokenizer, context)
     items, failing = [], 0
     for batch in source.batches():
-        params = encoder.prepare(batch)
+        encoder.prepare(batch)
         for row in batch:
             if row.error:
                 failing += 1
                 continue
-            out = min(params[row.index].max_tokens, context - len(row.token_ids))
+            out = min(row.params.max_tokens, context - len(row.token_ids))
             items.append(WorkItem(tuple(row.token_ids) if keep_token_ids else len(row.token_ids), out))
     if not items:
         raise JobError(f"{spec.path}: input: no row would run (rows failing before generation: {failing})")
-    batching, settings = spec.data["batching"], engine_settings(spec, max_num_seqs)
-    keys = admission_keys(items, batching["bucketing"], batching["window"], batching["longest_first"])
+    batching, settings = spec.batching, engine_settings(spec, max_num_seqs)
+    keys = admission_keys(items, batching.bucketing, batching.window, batching.longest_first)
     return Workload(items, keys, **settings, rows_failing=failing)
