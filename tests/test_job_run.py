@@ -30,7 +30,7 @@ def test_plain_job_outputs_and_python_handle(tmp_path, tiny_model):
     assert summary["rows_ok"] == 24 and summary["completion_tokens"] == 24 * 6 and summary["output_tokens_per_s"] > 0
     assert {"kv_blocks_peak", "kv_blocks_total", "preemptions", "wall_s"} <= set(summary)
     prom = open(os.path.join(out, "metrics.prom")).read()
-    assert 'batchrun_job_rows{job="job",status="ok"} 24' in prom and "# TYPE batchrun_job_exit_code gauge" in prom
+    assert 'batchrun_job_rows{job="job",status="ok"} 24.0' in prom and "# TYPE batchrun_job_exit_code gauge" in prom
     assert "24 ok, 0 failed" in open(os.path.join(out, "job.log")).read()
 
 
@@ -131,3 +131,18 @@ def test_generate_is_a_job_made_from_flags(tmp_path, tiny_model):
     bad = CliRunner().invoke(main, args[:-2] + ["--max-tokens", "0"])
     assert bad.exit_code == EXIT_INVALID
     assert "sampling.max_tokens (from --max-tokens): must be a positive integer" in bad.output
+
+
+def test_metrics_textfile_escapes_labels_and_parses(tmp_path):
+    from prometheus_client.parser import text_string_to_metric_families
+    from batchrun.job.report import write_metrics
+    name = 'night "run" \\ 2'
+    write_metrics(str(tmp_path / "metrics.prom"), dict(job=name, rows_ok=3, rows_failed=1, rows_remaining=None,
+                  prompt_tokens=40, completion_tokens=12, wall_s=1.5, output_tokens_per_s=8.0, preemptions=0,
+                  kv_blocks_peak=7, exit_code=3))
+    samples = {(s.name, s.labels.get("status")): s for f in text_string_to_metric_families(
+        (tmp_path / "metrics.prom").read_text()) for s in f.samples}
+    assert samples[("batchrun_job_rows", "error")].value == 1 and samples[("batchrun_job_exit_code", None)].value == 3
+    assert all(s.labels["job"] == name for s in samples.values())
+    assert samples[("batchrun_job_rows_remaining", None)].value != samples[("batchrun_job_rows_remaining", None)].value
+    assert not [p for p in tmp_path.iterdir() if p.name != "metrics.prom"]   # written through a renamed temp file

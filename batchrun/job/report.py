@@ -6,6 +6,7 @@ import os
 import time
 
 import pyarrow.compute as pc
+from prometheus_client import CollectorRegistry, Gauge, write_to_textfile
 
 from batchrun.job.sink import ShardStore
 
@@ -46,34 +47,30 @@ def write_summary(out_dir: str, name: str, run: dict) -> dict:
     """summary.json (totals over all runs plus this run's speed and KV figures) and metrics.prom."""
     summary = {"job": name, **counts(out_dir), **run, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     write_atomic(os.path.join(out_dir, "summary.json"), json.dumps(summary, indent=2) + "\n")
-    write_atomic(os.path.join(out_dir, "metrics.prom"), prometheus(summary))
+    write_metrics(os.path.join(out_dir, "metrics.prom"), summary)
     return summary
 
 
-def prometheus(s: dict) -> str:
-    """Textfile-collector format; node_exporter reads *.prom, so copy or link it into its directory."""
-    job = s["job"].replace("\\", "\\\\").replace('"', '\\"')
+def write_metrics(path: str, s: dict) -> None:
+    """Textfile-collector format, written atomically (node_exporter reads *.prom: copy or link it there)."""
+    registry = CollectorRegistry()
     metrics = [
-        ("batchrun_job_rows", "gauge", "Rows in the output by status.",
+        ("batchrun_job_rows", "Rows in the output by status.",
          [({"status": "ok"}, s["rows_ok"]), ({"status": "error"}, s["rows_failed"])]),
-        ("batchrun_job_rows_remaining", "gauge", "Input rows not yet in the output.", [({}, s["rows_remaining"])]),
-        ("batchrun_job_prompt_tokens", "gauge", "Prompt tokens of all output rows.", [({}, s["prompt_tokens"])]),
-        ("batchrun_job_completion_tokens", "gauge", "Generated tokens of all output rows.",
-         [({}, s["completion_tokens"])]),
-        ("batchrun_job_run_wall_seconds", "gauge", "Wall time of the last run.", [({}, s["wall_s"])]),
-        ("batchrun_job_run_output_tokens_per_second", "gauge", "Generated tokens per second in the last run.",
+        ("batchrun_job_rows_remaining", "Input rows not yet in the output.", [({}, s["rows_remaining"])]),
+        ("batchrun_job_prompt_tokens", "Prompt tokens of all output rows.", [({}, s["prompt_tokens"])]),
+        ("batchrun_job_completion_tokens", "Generated tokens of all output rows.", [({}, s["completion_tokens"])]),
+        ("batchrun_job_run_wall_seconds", "Wall time of the last run.", [({}, s["wall_s"])]),
+        ("batchrun_job_run_output_tokens_per_second", "Generated tokens per second in the last run.",
          [({}, s["output_tokens_per_s"])]),
-        ("batchrun_job_run_preemptions", "gauge", "KV preemptions in the last run.", [({}, s["preemptions"])]),
-        ("batchrun_job_run_kv_blocks_peak", "gauge", "Most KV blocks in use at once in the last run.",
+        ("batchrun_job_run_preemptions", "KV preemptions in the last run.", [({}, s["preemptions"])]),
+        ("batchrun_job_run_kv_blocks_peak", "Most KV blocks in use at once in the last run.",
          [({}, s["kv_blocks_peak"])]),
-        ("batchrun_job_exit_code", "gauge", "Exit code of the last run (see batchrun submit --help).",
-         [({}, s["exit_code"])]),
-        ("batchrun_job_last_run_timestamp_seconds", "gauge", "When the last run ended.", [({}, time.time())]),
+        ("batchrun_job_exit_code", "Exit code of the last run (see batchrun submit --help).", [({}, s["exit_code"])]),
+        ("batchrun_job_last_run_timestamp_seconds", "When the last run ended.", [({}, time.time())]),
     ]
-    lines = []
-    for name, kind, help_text, samples in metrics:
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+    for name, help_text, samples in metrics:
+        gauge = Gauge(name, help_text, ["job", *samples[0][0]], registry=registry)
         for labels, value in samples:
-            label_text = ",".join([f'job="{job}"', *(f'{k}="{v}"' for k, v in labels.items())])
-            lines.append(f"{name}{{{label_text}}} {float('nan') if value is None else value}")
-    return "\n".join(lines) + "\n"
+            gauge.labels(job=s["job"], **labels).set(float("nan") if value is None else value)
+    write_to_textfile(path, registry)

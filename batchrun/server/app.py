@@ -60,7 +60,7 @@ def create_app(llm, api_key: str | None = None, model_name: str | None = None, m
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(server.metrics.render(llm.engine.stats), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(server.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models():
@@ -87,7 +87,7 @@ class _Server:
     def __init__(self, llm, model_name: str, max_prompt_tokens: int, max_tokens_limit: int, ready, lane: str):
         self.llm, self.model_name, self.ready, self.lane = llm, model_name, ready, lane
         self.max_prompt_tokens, self.max_tokens_limit = max_prompt_tokens, max_tokens_limit
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(lambda: llm.engine.stats)
         self.started = int(time.time())
 
     async def serve(self, body, request: Request, fmt_cls: type[Format], get_prompt, prompt_param: str,
@@ -152,14 +152,14 @@ class _Server:
 
     async def _complete(self, handle: RequestHandle, fmt: Format, request: Request, arrival: float, logprobs: bool):
         watcher = asyncio.create_task(_cancel_on_disconnect(request, handle))
-        self.metrics.in_flight += 1
+        self.metrics.in_flight.inc()
         try:
             out = None
             async for chunk in handle.astream():
                 self._first_token(chunk, arrival)
                 out = chunk.output
         finally:
-            self.metrics.in_flight -= 1
+            self.metrics.in_flight.dec()
             watcher.cancel()
             if not handle.done:
                 handle.cancel()
@@ -174,7 +174,7 @@ class _Server:
     async def _events(self, handle: RequestHandle, fmt: Format, request: Request, arrival: float, stops: list[str],
                       logprobs: bool, include_usage: bool):
         """SSE body. Cancelled by Starlette when the client goes away: the finally aborts the request."""
-        self.metrics.in_flight += 1
+        self.metrics.in_flight.inc()
         sent, decoded, offset = "", "", 0
         try:
             if isinstance(fmt, ChatFormat):
@@ -204,7 +204,7 @@ class _Server:
                         yield sse(fmt.usage_chunk(out))
             yield SSE_DONE
         finally:
-            self.metrics.in_flight -= 1
+            self.metrics.in_flight.dec()
             if not handle.done:
                 handle.cancel()
 

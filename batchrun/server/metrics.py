@@ -1,9 +1,11 @@
-"""Prometheus text exposition for /metrics: HTTP requests by route and status, interactive tokens and latency,
-and the engine's per-step statistics. Plain text: a handful of counters does not need prometheus_client."""
+"""Prometheus metrics for /metrics (prometheus_client, one registry per server): HTTP requests by route and status,
+interactive tokens and latency, and the engine's per-step statistics, read when scraped."""
 from __future__ import annotations
 
-import threading
-from collections import Counter
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ENGINE_GAUGES = {"running": "requests running in the engine (all lanes)",
@@ -15,55 +17,45 @@ ENGINE_COUNTERS = {"step": ("steps", "engine steps"), "preemptions": ("preemptio
                    "output_tokens": ("output_tokens", "tokens generated")}
 
 
+class _EngineCollector:
+    """The engine keeps its own cumulative StepStats; they are exported as they are at scrape time."""
+
+    def __init__(self, stats: Callable[[], object]):
+        self.stats = stats
+
+    def collect(self):
+        s = self.stats()
+        for field, help_ in ENGINE_GAUGES.items():
+            yield GaugeMetricFamily(f"batchrun_engine_{field}", help_, value=getattr(s, field))
+        for field, (name, help_) in ENGINE_COUNTERS.items():
+            yield CounterMetricFamily(f"batchrun_engine_{name}", help_, value=getattr(s, field))
+
+
 class ServerMetrics:
-    def __init__(self):
-        self._lock = threading.Lock()
-        self.requests: Counter = Counter()          # (route, status) -> count
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
-        self.in_flight = 0
-        self.ttft_buckets = [0] * len(TTFT_BUCKETS)
-        self.ttft_sum, self.ttft_count = 0.0, 0
+    def __init__(self, engine_stats: Callable[[], object]):
+        self.registry = registry = CollectorRegistry()
+        self.requests = Counter("batchrun_http_requests", "HTTP requests by route and status code",
+                                ["route", "status"], registry=registry)
+        self.in_flight = Gauge("batchrun_http_requests_in_flight", "interactive requests being served",
+                               registry=registry)
+        self.prompt_tokens = Counter("batchrun_interactive_prompt_tokens", "prompt tokens of served requests",
+                                     registry=registry)
+        self.completion_tokens = Counter("batchrun_interactive_completion_tokens",
+                                         "tokens generated for served requests", registry=registry)
+        self.ttft = Histogram("batchrun_interactive_time_to_first_token_seconds",
+                              "seconds from arrival in the server to the first token", buckets=TTFT_BUCKETS,
+                              registry=registry)
+        registry.register(_EngineCollector(engine_stats))
 
     def count_request(self, route: str, status: int) -> None:
-        with self._lock:
-            self.requests[(route, status)] += 1
+        self.requests.labels(route=route, status=str(status)).inc()
 
     def count_tokens(self, prompt: int, completion: int) -> None:
-        with self._lock:
-            self.prompt_tokens += prompt
-            self.completion_tokens += completion
+        self.prompt_tokens.inc(prompt)
+        self.completion_tokens.inc(completion)
 
     def observe_ttft(self, seconds: float) -> None:
-        with self._lock:
-            for i, bound in enumerate(TTFT_BUCKETS):
-                if seconds <= bound:
-                    self.ttft_buckets[i] += 1
-            self.ttft_sum += seconds
-            self.ttft_count += 1
+        self.ttft.observe(seconds)
 
-    def render(self, engine_stats) -> str:
-        lines: list[str] = []
-
-        def metric(name, kind, help_, samples):
-            lines.extend([f"# HELP batchrun_{name} {help_}", f"# TYPE batchrun_{name} {kind}"])
-            lines.extend(f"batchrun_{name}{labels} {value}" for labels, value in samples)
-
-        with self._lock:
-            metric("http_requests_total", "counter", "HTTP requests by route and status code",
-                   [(f'{{route="{r}",status="{s}"}}', n) for (r, s), n in sorted(self.requests.items())])
-            metric("http_requests_in_flight", "gauge", "interactive requests being served", [("", self.in_flight)])
-            metric("interactive_prompt_tokens_total", "counter", "prompt tokens of served requests",
-                   [("", self.prompt_tokens)])
-            metric("interactive_completion_tokens_total", "counter", "tokens generated for served requests",
-                   [("", self.completion_tokens)])
-            samples = [(f'_bucket{{le="{b}"}}', n) for b, n in zip(TTFT_BUCKETS, self.ttft_buckets)]
-            samples += [('_bucket{le="+Inf"}', self.ttft_count), ("_sum", round(self.ttft_sum, 6)),
-                        ("_count", self.ttft_count)]
-            metric("interactive_time_to_first_token_seconds", "histogram",
-                   "seconds from arrival in the server to the first token", samples)
-        for field, help_ in ENGINE_GAUGES.items():
-            metric(f"engine_{field}", "gauge", help_, [("", getattr(engine_stats, field))])
-        for field, (name, help_) in ENGINE_COUNTERS.items():
-            metric(f"engine_{name}_total", "counter", help_, [("", getattr(engine_stats, field))])
-        return "\n".join(lines) + "\n"
+    def render(self) -> str:
+        return generate_latest(self.registry).decode()
