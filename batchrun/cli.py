@@ -8,6 +8,7 @@ import sys
 import click
 
 from batchrun.config import EngineConfig
+from batchrun.job.errors import EXIT_CODES
 from batchrun.job.spec import JOB_SAMPLING_DEFAULTS
 
 
@@ -18,8 +19,7 @@ def main(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(asctime)s %(message)s")
 
 
-_EXIT_HELP = ("Exit codes: 0 done; 3 done with failed rows; 2 invalid spec or input (nothing ran); "
-              "4 locked (the job is already running); 5 interrupted (submit again to resume); 1 unexpected error.")
+_EXIT_HELP = "Exit codes: " + "; ".join(f"{code} {meaning}" for code, meaning in EXIT_CODES.items()) + "."
 _SET = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
                     help="Override a field of the job file, e.g. --set input.limit=20 (repeatable).")
 
@@ -282,7 +282,7 @@ def _engine_overrides(items) -> dict:
 
 
 @main.command()
-@click.option("--model", default="smollm2-135m", show_default=True)
+@click.option("--model", default=EngineConfig.model, show_default=True)
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Interface to listen on; the default is loopback only.")
 @click.option("--port", type=int, default=8000, show_default=True)
@@ -293,8 +293,8 @@ def _engine_overrides(items) -> dict:
 @click.option("--max-tokens-limit", type=int, help="Refuse a larger max_tokens with 400 (default: the context).")
 @click.option("--max-pending", type=int, default=64, show_default=True,
               help="Requests in flight before new ones get 429.")
-@click.option("--kv-cache-memory", default="2GiB", show_default=True)
-@click.option("--kv-cache-dtype", default="auto", show_default=True)
+@click.option("--kv-cache-memory", help="KV pool size  [default: 2GiB on CPU, profiled on CUDA]")
+@click.option("--kv-cache-dtype", default=EngineConfig.kv_cache_dtype, show_default=True)
 @click.option("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs, show_default=True)
 @click.option("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens, show_default=True)
 @click.option("--max-model-len", type=int)

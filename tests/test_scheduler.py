@@ -120,3 +120,31 @@ def test_update_applies_the_stop_rules_and_frees_only_what_finished():
     plan = s.schedule()
     assert s.update(plan, [(ignores_eos, 5, None), (long, 5, None)]) == [long]   # 7 tokens: the model's context
     assert long.finish_reason == "length" and ignores_eos.status is RequestStatus.RUNNING
+
+
+class CountingTokenizer:
+    """Token i < 26 is a letter; 26 and 27 spell 'ST' and 'OP'. Counts the token ids it decodes."""
+    pieces = [chr(97 + i) for i in range(26)] + ["ST", "OP"]
+
+    def __init__(self):
+        self.decoded = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.decoded += len(ids)
+        return "".join(self.pieces[i] for i in ids)
+
+
+def test_stop_strings_are_found_in_linear_time_over_a_long_output():
+    tokenizer = CountingTokenizer()
+    rule = StopRule(tokenizer=tokenizer)
+    r = request("long", 3, 3000, stop=["STOP", "never"])
+    reasons = []
+    for i in range(1998):
+        r.token_ids.append(i % 26)
+        reasons.append(rule(r))
+    for token in (26, 27):
+        r.token_ids.append(token)
+        reasons.append(rule(r))
+    assert reasons[:-1] == [None] * 1999 and reasons[-1] == "stop"
+    assert r.text == "".join(chr(97 + i % 26) for i in range(1998))
+    assert tokenizer.decoded < 2000 * (4 * len("never") + 4) + 2000   # quadratic would be ~2,000,000

@@ -1,42 +1,104 @@
-"""Greedy, temperature, top-k and top-p sampling with per-request seeds; optional chosen-token logprobs."""
+"""Greedy, temperature, top-k and top-p sampling with per-request seeds and chosen-token logprobs, batched on the
+logits' device: only the chosen ids (and the logprobs asked for) cross to the host.
+
+A row is sampled as argmax(p_i / E_i) over its tokens, with E_i exponential variates: an exact sample from p (the
+exponential race) that needs no normalisation and no per-row loop. A seeded request draws a variate for every token
+of the vocabulary from its own generator, so its tokens depend neither on the batch nor on how many candidates the
+batch looked at; the other requests share the sampler's generator.
+"""
 from __future__ import annotations
 
 import torch
 
 from batchrun.engine.request import Request
+from batchrun.sampling_params import SamplingParams
+
+# Top-p alone first looks at this many most likely tokens (a top-k, much cheaper than sorting the vocabulary); only
+# when they hold less than top_p of a row's mass does the batch sort the whole vocabulary.
+CANDIDATES = 1024
+
+
+def filters(params: SamplingParams, vocab: int) -> bool:
+    return 0 < params.top_k < vocab or params.top_p < 1.0
+
+
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams],
+                   candidates: int = CANDIDATES) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probs, token ids) over each row's most likely tokens, after top-k (ties with the k-th value kept; the kept
+    tokens renormalised) and top-p (the smallest prefix whose mass reaches top_p; the most likely token always
+    stays). Dropped tokens have probability 0; the rows are not renormalised after top-p."""
+    rows, vocab = logits.shape
+    device = logits.device
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    has_k = top_k < vocab
+    kth = torch.full((rows, 1), float("-inf"), device=device)    # the k-th largest logit: ties with it stay
+    width = candidates if not bool(has_k.all()) else 0
+    if bool(has_k.any()):
+        largest = int(top_k[has_k].max())
+        kth = torch.where(has_k[:, None], logits.topk(largest, dim=-1).values.gather(1, (top_k.clamp(max=largest)
+                                                                                          - 1)[:, None]), kth)
+        width = max(width, int((logits >= kth).sum(dim=-1)[has_k].max()))
+    values, ids = logits.topk(min(width, vocab), dim=-1)           # sorted, most likely first
+    values = values.masked_fill(values < kth, float("-inf"))
+    norm = torch.where(has_k, values.logsumexp(dim=-1), logits.logsumexp(dim=-1))
+    probs = (values - norm[:, None]).exp()
+    if ids.shape[1] < vocab and not bool((probs.sum(dim=-1) >= top_p)[~has_k].all()):
+        return filtered_probs(logits, params, vocab)                # a nucleus reaches past the candidates
+    mass_before = probs.cumsum(dim=-1) - probs
+    return probs.masked_fill(mass_before >= top_p[:, None], 0.0), ids
 
 
 class Sampler:
     def __init__(self, seed: int = 0):
-        self.generator = torch.Generator().manual_seed(seed)   # for requests without their own seed
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}   # for requests without their own seed
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[float | None]]:
-        logits = logits.float().cpu()
+        logits = logits.float()
         tokens = logits.argmax(dim=-1)
-        for i, request in enumerate(requests):
-            if not request.params.greedy:
-                tokens[i] = self._sample_row(logits[i], request)
-        logprobs: list[float | None] = [None] * len(requests)
+        vocab = logits.shape[1]
+        drawn = [i for i, r in enumerate(requests) if not r.params.greedy]
+        for group in ([i for i in drawn if not filters(requests[i].params, vocab)],
+                      [i for i in drawn if filters(requests[i].params, vocab)]):
+            if group:
+                tokens[torch.tensor(group, device=logits.device)] = self._draw(logits, [requests[i] for i in group],
+                                                                               group)
         wanted = [i for i, r in enumerate(requests) if r.params.logprobs]
+        logprobs: list[float | None] = [None] * len(requests)
         if wanted:
-            rows = torch.log_softmax(logits[wanted], dim=-1)
-            chosen = rows.gather(1, tokens[wanted, None])[:, 0].tolist()
+            rows = torch.tensor(wanted, device=logits.device)
+            chosen = torch.log_softmax(logits[rows], dim=-1).gather(1, tokens[rows, None])[:, 0].tolist()
             for i, value in zip(wanted, chosen):
                 logprobs[i] = value
         return tokens.tolist(), logprobs
 
-    def _sample_row(self, row: torch.Tensor, request: Request) -> int:
-        params = request.params
-        row = row / params.temperature
-        if params.top_k > 0 and params.top_k < row.numel():
-            kth = torch.topk(row, params.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
-        if params.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-            drop = sorted_probs.cumsum(0) - sorted_probs >= params.top_p
-            probs = probs.scatter(0, order[drop], 0.0)
-        if params.seed is not None and request.generator is None:
-            request.generator = torch.Generator().manual_seed(params.seed)
-        return int(torch.multinomial(probs, 1, generator=request.generator or self.generator))
+    def _draw(self, logits: torch.Tensor, requests: list[Request], rows: list[int]) -> torch.Tensor:
+        params = [r.params for r in requests]
+        scaled = logits[torch.tensor(rows, device=logits.device)]
+        scaled = scaled / torch.tensor([p.temperature for p in params], device=logits.device)[:, None]
+        if filters(params[0], logits.shape[1]):
+            probs, ids = filtered_probs(scaled, params)
+        else:
+            probs, ids = torch.softmax(scaled, dim=-1), None
+        winners = (probs / self._exponentials(probs, ids, requests, logits.shape[1])).argmax(dim=-1)
+        return winners if ids is None else ids.gather(1, winners[:, None])[:, 0]
+
+    def _exponentials(self, probs: torch.Tensor, ids: torch.Tensor | None, requests: list[Request],
+                      vocab: int) -> torch.Tensor:
+        """Exp(1) variates as -log(U), clamped above zero so that a token of probability 0 never wins."""
+        device = probs.device
+        noise = torch.rand(probs.shape, device=device, generator=self._generator(device))
+        for i, request in enumerate(requests):
+            seed = request.params.seed
+            if seed is not None:
+                if request.generator is None:
+                    request.generator = torch.Generator(device).manual_seed(seed)
+                row = torch.rand(vocab, device=device, generator=request.generator)
+                noise[i] = row if ids is None else row[ids[i]]
+        return noise.log_().neg_().clamp_(min=torch.finfo(noise.dtype).tiny)
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device).manual_seed(self.seed)
+        return self._generators[device]

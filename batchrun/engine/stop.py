@@ -25,10 +25,18 @@ class StopRule:
         return None
 
     def _cut_at_stop_string(self, request: Request) -> bool:
+        """Decodes only the newest tokens each step (linear in the output's length); the whole output once, on a
+        hit, to cut the text at the first stop string."""
         if self.tokenizer is None:
             return False
+        stops = request.params.stop
+        window = 4 * max(map(len, stops)) + 4   # a byte-level token may carry a quarter of a character
+        start = max(request.num_prompt_tokens, request.num_tokens - window)
+        tail = self.tokenizer.decode(request.token_ids[start:], skip_special_tokens=True)
+        if not any(s in tail for s in stops):
+            return False
         text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
-        hits = [i for i in (text.find(s) for s in request.params.stop) if i >= 0]
+        hits = [i for i in (text.find(s) for s in stops) if i >= 0]
         if hits:
             request.text = text[:min(hits)]
         return bool(hits)

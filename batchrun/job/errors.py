@@ -9,10 +9,11 @@ EXIT_LOCKED = 4        # another submit of the same job holds the lock
 EXIT_INTERRUPTED = 5   # stopped by SIGTERM/SIGINT; finished rows are saved, submit again to resume
 EXIT_GATE_FAILED = 6   # the KV quality gate failed and the spec says stop: nothing ran
 
-EXIT_CODES = {EXIT_OK: "done", EXIT_ERROR: "unexpected error", EXIT_INVALID: "invalid spec or input",
-              EXIT_FAILED_ROWS: "done with failed rows", EXIT_LOCKED: "locked by another submit",
+EXIT_CODES = {EXIT_OK: "done", EXIT_FAILED_ROWS: "done with failed rows",
+              EXIT_INVALID: "invalid spec or input (nothing ran)", EXIT_LOCKED: "locked by another submit",
               EXIT_INTERRUPTED: "interrupted (submit again to resume)",
-              EXIT_GATE_FAILED: "KV quality gate failed (on_fail: stop)"}
+              EXIT_GATE_FAILED: "KV quality gate failed with on_fail: stop (nothing ran)",
+              EXIT_ERROR: "unexpected error"}
 
 
 class JobError(Exception):
