@@ -18,7 +18,7 @@ from batchrun.engine.request import Request, RequestOutput
 from batchrun.engine.sampler import Sampler
 from batchrun.engine.scheduler import Lane, Scheduler, WaitingQueue, default_admission_key
 from batchrun.engine.stop import StopRule
-from batchrun.models.llama import LlamaForCausalLM, fuse_checkpoint
+from batchrun.models.llama import LlamaForCausalLM
 from batchrun.sampling_params import SamplingParams
 
 log = logging.getLogger("batchrun")
@@ -55,9 +55,8 @@ class Engine:
 
         with torch.device("meta"):
             self.model = LlamaForCausalLM(self.hf_config, get_backend(config.attention_backend, self.device))
-        weights = loader.load_weights(self.model_path, self.device, self.dtype)
-        self.model.load_state_dict(fuse_checkpoint(weights, getattr(self.hf_config, "tie_word_embeddings", False)),
-                                   assign=True)
+        self.model.load_state_dict(loader.load_weights(self.model_path, self.device, self.dtype,
+                                                       self.model.checkpoint_plan), assign=True)
         self.model.init_rope(self.max_model_len, self.device, self.dtype)
         self.model.eval()
         if self.device.type == "cpu" and self.model.pack_for_cpu():

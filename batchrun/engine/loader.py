@@ -4,12 +4,16 @@ Only safetensors are loaded; trust_remote_code stays off unless the caller asks 
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import importlib.util
+import json
 import logging
 import os
 import shutil
+import struct
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -81,15 +85,58 @@ def load_config(path: str, trust_remote_code: bool = False):
     return config
 
 
-def load_weights(path: str, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def load_weights(path: str, device: torch.device, dtype: torch.dtype,
+                 plan: Callable[[list[str]], dict[str, tuple[str, ...]]]) -> dict[str, torch.Tensor]:
+    """The model's tensors, built one at a time from the safetensors files: `plan` maps each of the model's names
+    to the checkpoint tensors concatenated into it. Only the tensor being built is held twice, so the peak stays
+    near the weights' own size (not the checkpoint's plus the fused copies)."""
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"model: no *.safetensors file in {path!r} (only safetensors weights are loaded)")
-    weights = {}
-    for f in files:
-        weights.update({k: v.to(dtype) for k, v in load_file(f, device=str(device)).items()})
+    with contextlib.ExitStack() as stack:
+        readers = [SafetensorsReader(stack.enter_context(open(f, "rb"))) for f in files]
+        where = {name: reader for reader in readers for name in reader.entries}
+        built: dict[tuple[str, ...], torch.Tensor] = {}
+        weights = {}
+        for name, sources in plan(list(where)).items():
+            if sources not in built:
+                missing = [s for s in sources if s not in where]
+                if missing:
+                    raise ValueError(f"model: the checkpoint in {path!r} has no tensor {missing[0]!r}")
+                parts = [where[s].read(s).to(device=device, dtype=dtype) for s in sources]
+                built[sources] = parts[0] if len(parts) == 1 else torch.cat(parts)
+                del parts
+            weights[name] = built[sources]
     return weights
+
+
+class SafetensorsReader:
+    """Reads one tensor at a time through the file handle. safetensors' own safe_open maps the whole file, and
+    every page it touches counts as resident: loading a float32 checkpoint into 16-bit weights then peaked at
+    2.6x the weights (SmolLM2), against about 1x read this way. The format is an 8-byte header length, a JSON
+    header (dtype, shape, byte offsets per tensor), then the raw data; nothing in it is executable."""
+    DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+    def __init__(self, file):
+        self.file = file
+        (size,) = struct.unpack("<Q", file.read(8))
+        self.entries = {k: v for k, v in json.loads(file.read(size)).items() if k != "__metadata__"}
+        self.base = 8 + size
+
+    def read(self, name: str) -> torch.Tensor:
+        entry = self.entries[name]
+        if entry["dtype"] not in self.DTYPES:
+            raise ValueError(f"model: tensor {name!r} has dtype {entry['dtype']}, which this loader does not read")
+        start, end = entry["data_offsets"]
+        data = bytearray(end - start)
+        self.file.seek(self.base + start)
+        if self.file.readinto(data) != len(data):
+            raise ValueError(f"model: {self.file.name} is truncated (tensor {name!r})")
+        if not data:
+            return torch.empty(entry["shape"], dtype=self.DTYPES[entry["dtype"]])
+        return torch.frombuffer(data, dtype=self.DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):

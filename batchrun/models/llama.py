@@ -136,6 +136,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.cos = self.sin = None
 
+    def checkpoint_plan(self, names: list[str]) -> dict[str, tuple[str, ...]]:
+        return checkpoint_plan(names, getattr(self.config, "tie_word_embeddings", False))
+
     def pack_for_cpu(self) -> bool:
         """Pre-pack every projection's weight for oneDNN (CPU only); False where this torch cannot."""
         return all([m.pack_for_cpu() for m in self.modules() if isinstance(m, Linear)])
@@ -154,17 +157,21 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(self.model.norm(x[logits_indices])).float()
 
 
-def fuse_checkpoint(weights: dict[str, torch.Tensor], tie_embeddings: bool) -> dict[str, torch.Tensor]:
-    """transformers' tensor names -> this module's (fused q/k/v and gate/up)."""
-    out = {}
-    for name, tensor in weights.items():
+FUSED = ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj"))
+
+
+def checkpoint_plan(names: list[str], tie_embeddings: bool) -> dict[str, tuple[str, ...]]:
+    """This module's tensor names -> the transformers checkpoint tensors concatenated into each (fused q/k/v and
+    gate/up; one tensor for the others). A tied lm_head names the embedding's tensors, so both share one copy."""
+    plan = {}
+    for name in names:
         if "rotary_emb" in name:
             continue
-        for parts, joined in ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj")):
+        for parts, joined in FUSED:
             if f".{parts[0]}." in name:
-                out[name.replace(parts[0], joined)] = torch.cat([weights[name.replace(parts[0], p)] for p in parts])
-        if not any(f".{p}." in name for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
-            out[name] = tensor
-    if tie_embeddings or "lm_head.weight" not in out:
-        out["lm_head.weight"] = out["model.embed_tokens.weight"]
-    return out
+                plan[name.replace(parts[0], joined)] = tuple(name.replace(parts[0], p) for p in parts)
+        if not any(f".{p}." in name for parts, _ in FUSED for p in parts):
+            plan[name] = (name,)
+    if tie_embeddings or "lm_head.weight" not in plan:
+        plan["lm_head.weight"] = plan["model.embed_tokens.weight"]
+    return plan
