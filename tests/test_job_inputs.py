@@ -46,7 +46,8 @@ def test_schema_errors_name_file_and_column(tmp_path, tiny_model, no_model, tabl
 
 def test_duplicate_ids_refused_naming_them(tmp_path, tiny_model, no_model):
     pq.write_table(pa.table({"id": ["a", "b", "a", "c", "b"], "prompt": ["p"] * 5}), tmp_path / "in.parquet")
-    assert "duplicate ids in the input, first: 'a', 'b'" in job_error(write_job(tmp_path, tiny_model[0]))
+    assert ("duplicate ids in the input: 'a' at in.parquet row 0 and in.parquet row 2; 'b' at in.parquet row 1 and "
+            "in.parquet row 4") in job_error(write_job(tmp_path, tiny_model[0]))
 
 
 def test_unwritable_output_fails_early(tmp_path, tiny_model, no_model):
@@ -88,5 +89,5 @@ def test_malformed_jsonl_lines_fail_alone(tmp_path, tiny_model):
     assert rows[1]["id"] == "line-2" and "in.jsonl line 2: not valid JSON" in rows[1]["error"]
     assert "url '/v1/embeddings' is not supported" in rows[2]["error"]
     assert "body.messages must be a list" in rows[3]["error"] and rows[4]["error"].startswith("temperature")
-    assert "duplicate ids in the input, first: 'a'" in job_error(
+    assert "duplicate ids in the input: 'a' at in.jsonl line 1 and in.jsonl line 6" in job_error(
         write_job(tmp_path, tiny_model[0], name="strict", input={"path": "in.jsonl"}))

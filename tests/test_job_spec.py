@@ -32,7 +32,9 @@ def spec_error(tmp_path, text: str, *overrides) -> str:
     (BASE + "engine:\n  kv_cache_dtype: int4\n", r"engine.kv_cache_dtype \(line 7\): unknown value 'int4'"),
     (BASE + "engine:\n  kv_cache_memory: lots\n", r"engine.kv_cache_memory \(line 7\): cannot parse 'lots'"),
     (BASE + "engine:\n  max_num_seqs: true\n", r"engine.max_num_seqs \(line 7\): must be an integer, got True"),
-    (BASE + "output:\n  path: o\n  order: random\n", r"output.order \(line 8\): unknown value 'random'; allowed"),
+    (BASE.replace("path: out", "path: out\n  order: random"), r"output.order \(line 6\): unknown value 'random'; "
+                                                              r"allowed"),
+    (BASE + "sampling:\n  max_tokens: 5\nsampling:\n  seed: 1\n", r"sampling is given twice \(lines 6 and 8\)"),
     (BASE.replace("in.parquet", "in.parquet\n  template: 'Hi {'"), r"input.template \(line 4\): not a valid"),
     (BASE.replace("in.parquet", "in.parquet\n  template: 'no fields'"), r"needs \{column\} placeholders"),
     (BASE.replace("in.parquet", "in.parquet\n  prompt_column: p\n  messages_column: m"),

@@ -51,7 +51,7 @@ class Engine:
         self.tokenizer = loader.load_tokenizer(config.tokenizer or self.model_path, config.trust_remote_code)
         self.dtype = self._compute_dtype()
         self.kv_dtype = kv_cache.storage_dtype(config.kv_cache_dtype, self.dtype)   # the batch lane's
-        self.max_model_len = self._max_model_len()
+        self.max_model_len = loader.max_model_len(self.hf_config, config.max_model_len)
 
         with torch.device("meta"):
             self.model = LlamaForCausalLM(self.hf_config, get_backend(config.attention_backend, self.device))
@@ -116,15 +116,6 @@ class Engine:
             return dtype
         model_dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
         return model_dtype if model_dtype in (torch.float16, torch.bfloat16) else torch.float16
-
-    def _max_model_len(self) -> int:
-        limit = getattr(self.hf_config, "max_position_embeddings", 4096)
-        window = getattr(self.hf_config, "sliding_window", None)
-        if window and getattr(self.hf_config, "use_sliding_window", True):
-            limit = min(limit, window)   # full attention matches sliding-window attention only up to the window
-        if self.config.max_model_len and self.config.max_model_len > limit:
-            raise ValueError(f"max_model_len: {self.config.max_model_len} exceeds the model's context of {limit}")
-        return self.config.max_model_len or limit
 
     def _eos_token_ids(self) -> frozenset[int]:
         ids = getattr(self.hf_config, "eos_token_id", None)

@@ -85,14 +85,30 @@ def load_config(path: str, trust_remote_code: bool = False):
     return config
 
 
+def max_model_len(hf_config, requested: int | None) -> int:
+    """The context a run uses: the requested one, at most the model's (and its sliding window, which full attention
+    matches only up to the window)."""
+    limit = getattr(hf_config, "max_position_embeddings", 4096)
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True):
+        limit = min(limit, window)
+    if requested and requested > limit:
+        raise ValueError(f"max_model_len: {requested} exceeds the model's context of {limit}")
+    return requested or limit
+
+
+def check_weights(path: str) -> None:
+    if not glob.glob(os.path.join(path, "*.safetensors")):
+        raise ValueError(f"model: no *.safetensors file in {path!r} (only safetensors weights are loaded)")
+
+
 def load_weights(path: str, device: torch.device, dtype: torch.dtype,
                  plan: Callable[[list[str]], dict[str, tuple[str, ...]]]) -> dict[str, torch.Tensor]:
     """The model's tensors, built one at a time from the safetensors files: `plan` maps each of the model's names
     to the checkpoint tensors concatenated into it. Only the tensor being built is held twice, so the peak stays
     near the weights' own size (not the checkpoint's plus the fused copies)."""
+    check_weights(path)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise ValueError(f"model: no *.safetensors file in {path!r} (only safetensors weights are loaded)")
     with contextlib.ExitStack() as stack:
         readers = [SafetensorsReader(stack.enter_context(open(f, "rb"))) for f in files]
         where = {name: reader for reader in readers for name in reader.entries}

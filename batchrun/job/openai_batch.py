@@ -40,7 +40,7 @@ class OpenAIBatchSource:
     def _lines(self) -> Iterator[tuple[str, int, str]]:
         left = self.inp.limit
         for path in self.files:
-            with open(path, encoding="utf-8", errors="replace") as f:
+            with open(path, "rb") as f:
                 for number, line in enumerate(f, 1):
                     if not line.strip():
                         continue
@@ -50,9 +50,10 @@ class OpenAIBatchSource:
                         left -= 1
                     yield path, number, line
 
-    def scan_ids(self) -> Iterator[Any]:
+    def scan_ids(self) -> Iterator[tuple[str, int, Any]]:
+        """(file, line number, custom_id) in input order."""
         for path, number, line in self._lines():
-            yield _parse(path, number, line)[0]
+            yield path, number, _parse(path, number, line)[0]
 
     def batches(self, batch_size: int = 1024) -> Iterator[list[Row]]:
         rows: list[Row] = []
@@ -71,9 +72,13 @@ class OpenAIBatchSource:
             yield rows
 
 
-def _parse(path: str, number: int, line: str) -> tuple[str, dict | None, str | None]:
+def _parse(path: str, number: int, raw: bytes) -> tuple[str, dict | None, str | None]:
     """(custom_id, request, error); a line without a usable custom_id is named after its line."""
     where = f"{os.path.basename(path)} line {number}"
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"line-{number}", None, f"{where}: not valid UTF-8 (byte {exc.start} of the line)"
     try:
         request = json.loads(line)
     except json.JSONDecodeError as exc:

@@ -9,6 +9,8 @@ import shutil
 from batchrun.job.errors import JobError
 from batchrun.job.openai_batch import OpenAIBatchSource
 from batchrun.job.report import read_state, write_atomic
+from batchrun.job.preflight import model_fingerprint
+from batchrun.job.sink import ShardStore
 from batchrun.job.source import ParquetSource, fingerprint
 from batchrun.job.spec import IDENTITY, JobSpec
 
@@ -22,21 +24,33 @@ def open_source(spec: JobSpec) -> ParquetSource | OpenAIBatchSource:
 
 
 def count_rows(spec: JobSpec, source) -> int:
-    """Input rows (ids only are read); duplicate ids refuse the job unless input.allow_duplicate_ids."""
-    seen, dupes, n = set(), [], 0
+    """Input rows (ids only are read); duplicate ids refuse the job unless input.allow_duplicate_ids, naming the
+    file and row (or line) of both copies."""
+    seen, again, n = set(), {}, 0
     check = not spec.input.allow_duplicate_ids
-    for value in source.scan_ids():
+    for path, position, value in source.scan_ids():
         n += 1
         if check and value is not None:
-            if value in seen and len(dupes) < 5 and value not in dupes:
-                dupes.append(value)
+            if value in seen and len(again) < 3:
+                again.setdefault(value, (path, position))
             seen.add(value)
-    if dupes:
-        raise JobError(f"{spec.where('input', 'id_column')}: duplicate ids in the input, first: "
-                       f"{', '.join(map(repr, dupes))}; make ids unique or set input.allow_duplicate_ids: true")
+    if again:
+        first = {}
+        for path, position, value in source.scan_ids():   # only on this error path: where each first appeared
+            if value in again:
+                first.setdefault(value, (path, position))
+        where = "; ".join(f"{value!r} at {_place(source, *first[value])} and {_place(source, *second)}"
+                          for value, second in again.items())
+        raise JobError(f"{spec.where('input', 'id_column')}: duplicate ids in the input: {where}; make ids unique "
+                       f"or set input.allow_duplicate_ids: true")
     if n == 0:
         raise spec.fail(("input", "path"), "the input has no rows")
     return n
+
+
+def _place(source, path: str, position: int) -> str:
+    unit = "line" if isinstance(source, OpenAIBatchSource) else "row"
+    return f"{os.path.basename(path)} {unit} {position}"
 
 
 def output_dir(spec: JobSpec) -> str:
@@ -55,9 +69,10 @@ def output_dir(spec: JobSpec) -> str:
 
 def job_state(spec: JobSpec, files: list[str], rows: int) -> dict:
     inputs = [list(f) for f in fingerprint(files)]   # as it reads back from job.json
-    digest = hashlib.sha256(json.dumps([spec.identity(), inputs]).encode()).hexdigest()[:16]
-    return {"identity": digest, "spec": spec.identity_fields(), "inputs": inputs, "rows": rows,
-            "job_file": os.path.abspath(spec.path)}
+    model = model_fingerprint(spec.model)
+    digest = hashlib.sha256(json.dumps([spec.identity(), inputs, model]).encode()).hexdigest()[:16]
+    return {"identity": digest, "spec": spec.identity_fields(), "inputs": inputs, "model_files": model,
+            "rows": rows, "job_file": os.path.abspath(spec.path)}
 
 
 def conflict(out_dir: str, state: dict) -> str | None:
@@ -69,9 +84,12 @@ def conflict(out_dir: str, state: dict) -> str | None:
 def claim_output(spec: JobSpec, out_dir: str, state: dict, restart: bool) -> None:
     """Refuse a changed spec or input over an existing output unless restart (which clears the old results)."""
     changed = conflict(out_dir, state)
+    if changed and not ShardStore(out_dir).shards():
+        restart = True   # a job that stopped before any result claims nothing: the directory is free
     if changed and not restart:
-        raise spec.fail(("output", "path"), f"{out_dir} holds results of a different job ({changed}); "
-                                            f"use another output.path, or --restart to discard them")
+        raise spec.fail(("output", "path"), f"{out_dir} holds results of a different job ({changed}); undo the "
+                                            f"change (e.g. put the old input file back), use another output.path, "
+                                            f"or --restart to discard the results")
     if restart:
         for name in OUTPUT_FILES:
             path = os.path.join(out_dir, name)
@@ -92,6 +110,16 @@ def _diff(old: dict, new: dict) -> str:
                         if a.get(k) != b.get(k)]
         elif a != b:
             changes.append(f"{section}: {a!r} -> {b!r}")
-    if not changes and old["inputs"] != new["inputs"]:
-        changes.append("the input files changed (size or modification time)")
+    if not changes:
+        before, after = {f[0]: f[1:] for f in old["inputs"]}, {f[0]: f[1:] for f in new["inputs"]}
+        for path in sorted(set(before) | set(after)):
+            if path not in after:
+                changes.append(f"input file {path} is gone")
+            elif path not in before:
+                changes.append(f"input file {path} is new")
+            elif before[path] != after[path]:
+                changes.append(f"input file {path} changed (size {before[path][0]} -> {after[path][0]} bytes, "
+                               f"or modified since)")
+    if not changes and old.get("model_files") != new["model_files"]:
+        changes.append(f"the model's files changed ({new['model_files'][0]})")
     return "; ".join(changes[:3]) or "different identity"

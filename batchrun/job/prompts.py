@@ -37,6 +37,11 @@ class PromptEncoder:
                 row.token_ids = token_ids
         for row in chats:
             messages = row.prompt if isinstance(row.prompt, list) else [{"role": "user", "content": row.prompt}]
+            bad = next((i for i, m in enumerate(messages) if not isinstance(m, dict)
+                        or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str)), None)
+            if bad is not None:
+                row.error = f"prompt: message {bad} needs a string role and content, got {messages[bad]!r}"
+                continue
             if self.inp.system_prompt and not any(m.get("role") == "system" for m in messages):
                 messages = [{"role": "system", "content": self.inp.system_prompt}, *messages]
             try:

@@ -13,9 +13,9 @@ import sys
 import threading
 import time
 
-from batchrun.job import kv_gate, prepare
+from batchrun.job import kv_gate, preflight, prepare
 from batchrun.job.bucketing import RowFeed
-from batchrun.job.errors import EXIT_FAILED_ROWS, EXIT_INTERRUPTED, EXIT_OK, JobError
+from batchrun.job.errors import EXIT_FAILED_ROWS, EXIT_INTERRUPTED, EXIT_OK
 from batchrun.job.progress import Progress
 from batchrun.job.prompts import PromptEncoder
 from batchrun.job.report import counts, write_summary
@@ -46,10 +46,15 @@ class JobRunner:
     def run(self) -> tuple[str, dict]:
         """(output directory, summary). Raises JobError before any work for a bad spec, input or output."""
         spec = self.spec
+        with self._signals():   # from the start: a SIGTERM during start-up or model load also exits 5
+            return self._run(spec)
+
+    def _run(self, spec: JobSpec) -> tuple[str, dict]:
         source = prepare.open_source(spec)
         out_dir = prepare.output_dir(spec)
         with JobLock(out_dir):
             total = prepare.count_rows(spec, source)
+            preflight.check_model(spec)   # before the output is claimed: a job that cannot start claims nothing
             prepare.claim_output(spec, out_dir, prepare.job_state(spec, source.files, total), self.restart)
             sink = ResultSink(out_dir, result_schema(source.id_type, source.passthrough_schema()),
                               spec.output.shard_rows, spec.output.flush_every_s)
@@ -84,8 +89,9 @@ class JobRunner:
         spec = self.spec
         try:
             llm = LLM(model=spec.model, **kv_gate.decide(spec, out_dir))
-        except ValueError as exc:   # e.g. a KV budget too small for one request at max context
-            raise JobError(f"{spec.path}: engine: {exc}") from exc
+        except ValueError as exc:   # what the pre-flight cannot know, e.g. a profiled CUDA pool too small
+            field, _, message = str(exc).partition(": ")
+            raise spec.fail(("model",) if field == "model" else ("engine", field), message) from exc
         engine, batching = llm.engine, spec.batching
         encoder = PromptEncoder(spec.input, llm.tokenizer, engine.max_model_len)
         feed = RowFeed(source.batches(min(1024, batching.window)), encoder.prepare, batching.window,
@@ -94,7 +100,7 @@ class JobRunner:
         inflight: dict[str, Row] = {}
         progress = Progress(total, len(done), self.tty, spec.output.log_every_s, self._name())
         start, kv_peak = time.perf_counter(), 0
-        with self._signals(), (self.serve(llm) if self.serve else contextlib.nullcontext()) as server:
+        with self.serve(llm) if self.serve else contextlib.nullcontext() as server:
             while self.stop_reason is None:
                 while len(inflight) < in_flight_cap and (item := feed.next()) is not None:
                     order_key, row = item

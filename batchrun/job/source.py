@@ -35,6 +35,35 @@ class Row:
     token_ids: list[int] | None = None
 
 
+class InvalidText(str):
+    """A string value that is not valid UTF-8 (some writers produce it), decoded with replacement characters so the
+    row can still be written; the row fails, naming the column, and the rest of the job runs."""
+
+
+def column_values(column: pa.Array) -> list:
+    try:
+        return column.to_pylist()
+    except UnicodeDecodeError:
+        return [_value(column[i]) for i in range(len(column))]
+
+
+def _value(scalar: pa.Scalar):
+    try:
+        return scalar.as_py()
+    except UnicodeDecodeError:
+        raw = scalar.as_buffer().to_pybytes() if hasattr(scalar, "as_buffer") else b"\xff"   # nested: no bytes
+        return InvalidText(raw.decode("utf-8", errors="replace"))
+
+
+def records(batch: pa.RecordBatch) -> list[dict]:
+    """The batch's rows as dicts; invalid UTF-8 becomes InvalidText in that row alone."""
+    try:
+        return batch.to_pylist()
+    except UnicodeDecodeError:
+        names = batch.schema.names
+        return [dict(zip(names, values)) for values in zip(*(column_values(c) for c in batch.columns))]
+
+
 def set_params(spec: JobSpec, row: Row, overrides: dict) -> None:
     """The row's SamplingParams: the job's sampling section under the row's own values; bad values fail the row."""
     try:
@@ -112,14 +141,16 @@ class ParquetSource:
         schema = self._open(self.files[0]).schema_arrow
         return [schema.field(c) for c in self.inp.passthrough]
 
-    def scan_ids(self) -> Iterator[Any]:
-        """Every id in input order (only the id column is read), up to input.limit."""
+    def scan_ids(self) -> Iterator[tuple[str, int, Any]]:
+        """(file, row in that file, id) in input order (only the id column is read), up to input.limit."""
         left = self.inp.limit
         for path in self.files:
+            position = 0
             for batch in self._open(path).iter_batches(columns=[self.inp.id_column], batch_size=65536):
-                ids = batch.column(0).to_pylist()
+                ids = column_values(batch.column(0))
                 for value in ids[:left] if left is not None else ids:
-                    yield value
+                    yield path, position, value
+                    position += 1
                 if left is not None:
                     left -= min(left, len(ids))
                     if left == 0:
@@ -134,11 +165,11 @@ class ParquetSource:
         index, left = 0, inp.limit
         for path in self.files:
             for batch in self._open(path).iter_batches(columns=columns, batch_size=batch_size):
-                records = batch.to_pylist()
+                rows = records(batch)
                 if left is not None:
-                    records, left = records[:left], left - min(left, len(records))
-                yield [self._row(index + i, r) for i, r in enumerate(records)]
-                index += len(records)
+                    rows, left = rows[:left], left - min(left, len(rows))
+                yield [self._row(index + i, r) for i, r in enumerate(rows)]
+                index += len(rows)
                 if left == 0:
                     return
 
@@ -147,6 +178,10 @@ class ParquetSource:
         row = Row(index, r[inp.id_column], passthrough={c: r[c] for c in inp.passthrough})
         if row.id is None:
             row.error = f"input: null id in column {inp.id_column!r}"
+            return row
+        invalid = next((column for column, value in r.items() if isinstance(value, InvalidText)), None)
+        if invalid:
+            row.error = f"input: column {invalid!r} holds text that is not valid UTF-8 in this row"
             return row
         set_params(self.spec, row, {param: r[getattr(inp, key)] for key, param in ROW_PARAM_COLUMNS.items()
                                     if getattr(inp, key)})

@@ -148,6 +148,7 @@ class JobSpec:
             raise self._explain(exc.errors()[0]) from None
         for section in JobModel.model_fields:
             setattr(self, section, getattr(job, section))
+        self.model = self._resolve_model(self.model)
         self._check_rules()
 
     @classmethod
@@ -158,8 +159,10 @@ class JobSpec:
         except OSError as exc:
             raise JobError(f"{path}: cannot read the job file ({exc.strerror})") from exc
         try:
-            raw = yaml.safe_load(text) or {}
+            raw = yaml.load(text, Loader=_UniqueKeyLoader) or {}
             lines = _line_map(text)
+        except DuplicateKey as exc:
+            raise JobError(f"{path}: {exc}") from None
         except yaml.YAMLError as exc:
             raise JobError(f"{path}: not valid YAML: {exc}") from exc
         if not isinstance(raw, dict):
@@ -240,6 +243,11 @@ class JobSpec:
         """The job's SamplingParams, with a row's own values (None: not given) over the sampling section."""
         return SamplingParams(**{**self.sampling.model_dump(), **{k: v for k, v in row.items() if v is not None}})
 
+    def _resolve_model(self, model: str) -> str:
+        """A model directory relative to the job file (as every path in it); a hub id or embedded name as given."""
+        beside = os.path.join(self.base_dir, model)
+        return os.path.normpath(beside) if not os.path.isabs(model) and os.path.isdir(beside) else model
+
     def resolve(self, path: str) -> str:
         return path if os.path.isabs(path) else os.path.normpath(os.path.join(self.base_dir, path))
 
@@ -257,6 +265,24 @@ class JobSpec:
     def identity(self) -> str:
         """Hash of the identity fields; engine and batching settings may change between runs of one job."""
         return hashlib.sha256(json.dumps(self.identity_fields(), sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class DuplicateKey(yaml.YAMLError):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader, refusing a key given twice in one mapping (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise DuplicateKey(f"{key} is given twice (lines {seen[key]} and {line}); keep one")
+            seen[key] = line
+        return super().construct_mapping(node, deep)
 
 
 def _without_nulls(raw: dict) -> dict:
