@@ -49,7 +49,7 @@ def test_template_and_input_order(tmp_path, tiny_model):
                                                     "passthrough": ["title"]}, output={"order": "input"})
     result = Job.from_yaml(job).run(progress="log")
     files = os.listdir(os.path.join(result.output_dir, "data"))
-    assert files == ["sorted-000003.parquet"]
+    assert files == ["sorted-000001.parquet"]
     assert pq.read_table(os.path.join(result.output_dir, "data")).column("id").to_pylist() == list(range(12, 0, -1))
 
 

@@ -118,3 +118,52 @@ def test_chat_messages_with_a_null_role_fail_alone(tmp_path, tiny_model):
         progress="log").table().to_pylist()
     assert [r["status"] for r in rows] == ["ok", "error"]
     assert rows[1]["error"].startswith("prompt: message 0 needs a string role and content")
+
+
+def shard_sink(tmp_path, n=23, shard_rows=4):
+    from batchrun.job.sink import ResultSink, result_schema
+    sink = ResultSink(str(tmp_path), result_schema(pa.string(), []), shard_rows, 3600)
+    for i in reversed(range(n)):                     # finish order: the reverse of input order
+        sink.add({"id": f"r{i}", "status": "ok", "row_index": i, "prompt_tokens": 1, "completion_tokens": 1,
+                  "cached_tokens": 0})
+    sink.flush()
+    return sink
+
+
+def test_input_order_merge_is_streamed_in_slices(tmp_path, monkeypatch):
+    import pyarrow.dataset as ds
+    from batchrun.job import sink as sink_module
+    monkeypatch.setattr(sink_module, "MERGE_ROWS", 5)
+    sink = shard_sink(tmp_path)
+    sink.sort_by_input()
+    files = sorted(os.listdir(tmp_path / "data"))
+    assert files == [f"sorted-{i:06d}.parquet" for i in range(1, 6)]     # 23 rows, 5 row indices per file
+    assert ds.dataset(tmp_path / "data").to_table().column("row_index").to_pylist() == list(range(23))
+    assert not (tmp_path / ".data.sorting").exists() and not (tmp_path / ".data.old").exists()
+
+
+@pytest.mark.parametrize("fail_at", [1, 2])
+def test_a_kill_during_the_merge_never_shows_a_row_twice_and_recovers(tmp_path, monkeypatch, fail_at):
+    """Killed at the first rename (shards moved aside) or the second (merged files not yet in place): a reader of
+    data/ sees each row once or no directory, and the next run finds every row exactly once."""
+    import pyarrow.dataset as ds
+    from batchrun.job.sink import ShardStore
+    sink = shard_sink(tmp_path)
+    real_replace, calls = os.replace, []
+
+    def killed(src, dst):
+        if os.path.isdir(src):
+            calls.append(src)
+            if len(calls) == fail_at:
+                raise KeyboardInterrupt("killed")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        sink.sort_by_input()
+    monkeypatch.setattr(os, "replace", real_replace)
+    if (tmp_path / "data").exists():
+        assert ds.dataset(tmp_path / "data").count_rows() == 23
+    ShardStore(str(tmp_path)).repair()
+    indices = ds.dataset(tmp_path / "data").to_table().column("row_index").to_pylist()
+    assert sorted(indices) == list(range(23))

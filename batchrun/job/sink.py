@@ -9,14 +9,18 @@ import fcntl
 import glob
 import os
 import re
+import shutil
 import time
 
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from batchrun.job.errors import EXIT_LOCKED, JobError
 
 _PART = re.compile(r"(part|sorted)-(\d{6})\.parquet$")
+MERGE_ROWS = 65536   # row indices per file of the merged output (output.order: input)
 
 
 def result_schema(id_type: pa.DataType, passthrough: list[pa.Field]) -> pa.Schema:
@@ -35,33 +39,33 @@ def _fsync_dir(path: str) -> None:
 
 
 class ShardStore:
-    """The shards of one output directory: list, read, finish an interrupted compaction."""
+    """The shards of one output directory: list, read, finish what a killed run left."""
 
     def __init__(self, out_dir: str):
+        self.out_dir = out_dir
         self.dir = os.path.join(out_dir, "data")
+        self.staging = os.path.join(out_dir, ".data.sorting")   # the merged output, being written
+        self.old = os.path.join(out_dir, ".data.old")           # the shards, during the swap
 
-    def _files(self) -> list[tuple[str, int, str]]:
+    def shards(self) -> list[tuple[str, int, str]]:
+        """(kind, number, path) of the shards, in number order."""
         found = []
         for path in glob.glob(os.path.join(self.dir, "*.parquet")):
             m = _PART.search(path)
             if m:
                 found.append((m.group(1), int(m.group(2)), path))
-        return sorted(found, key=lambda s: (s[1], s[0]))
-
-    def shards(self) -> list[tuple[str, int, str]]:
-        """(kind, number, path) of the live shards; those already merged into a sorted file are left out."""
-        files = self._files()
-        merged = max((seq for kind, seq, _ in files if kind == "sorted"), default=-1)
-        return [f for f in files if f[1] > merged or (f[1] == merged and f[0] == "sorted")]
+        return sorted(found, key=lambda s: s[1])
 
     def repair(self) -> None:
-        """Delete temporaries of a killed writer and shards merged into a sorted file by a killed run."""
-        live = self.shards()
+        """Delete temporaries of a killed shard writer; finish or roll back a swap of the merged output."""
+        if os.path.isdir(self.old):
+            if os.path.isdir(self.dir):
+                shutil.rmtree(self.old)               # the merged output is in place
+            else:
+                os.replace(self.old, self.dir)        # killed between the two renames: the shards come back
+        shutil.rmtree(self.staging, ignore_errors=True)
         for path in glob.glob(os.path.join(self.dir, ".*.tmp")):
             os.remove(path)
-        for f in self._files():
-            if f not in live:
-                os.remove(f[2])
 
     def read(self, columns: list[str] | None = None) -> pa.Table | None:
         paths = [p for _, _, p in self.shards()]
@@ -72,6 +76,17 @@ class ShardStore:
     def done_indices(self) -> set[int]:
         table = self.read(["row_index"])
         return set() if table is None else set(table.column(0).to_pylist())
+
+
+def _write_file(directory: str, name: str, table: pa.Table) -> None:
+    """Written to a hidden temporary name, fsynced, renamed: a reader never sees a partial file."""
+    tmp = os.path.join(directory, f".{name}.tmp")
+    with open(tmp, "wb") as f:
+        pq.write_table(table, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(directory, name))
+    _fsync_dir(directory)
 
 
 class ResultSink:
@@ -94,29 +109,31 @@ class ResultSink:
         self.last_flush = time.monotonic()
         if not self.pending:
             return
-        self._write(pa.Table.from_pylist(self.pending, schema=self.schema), "part")
+        _write_file(self.store.dir, f"part-{self.seq:06d}.parquet",
+                    pa.Table.from_pylist(self.pending, schema=self.schema))
+        self.seq += 1
         self.rows_written += len(self.pending)
         self.pending = []
 
-    def _write(self, table: pa.Table, kind: str, seq: int | None = None) -> None:
-        name = f"{kind}-{seq or self.seq:06d}.parquet"
-        tmp = os.path.join(self.store.dir, f".{name}.tmp")
-        with open(tmp, "wb") as f:
-            pq.write_table(table, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(self.store.dir, name))
-        _fsync_dir(self.store.dir)
-        self.seq = max(self.seq, seq or self.seq) + 1
-
     def sort_by_input(self) -> None:
-        """Merge all shards into one file in input order; a kill midway is finished by repair()."""
+        """Rewrite the output in input order, MERGE_ROWS row indices per file (memory stays bounded however large
+        the output), into a staging directory that then replaces data/ by two renames: a reader of data/ sees the
+        shards or the merged files, never both. A kill midway is finished or rolled back by repair()."""
         shards = self.store.shards()
-        if not shards or len(shards) == 1 and shards[0][0] == "sorted":
+        if not shards or all(kind == "sorted" for kind, _, _ in shards):
             return
-        # the sorted file takes the last shard's number: repair() then drops every shard up to it
-        self._write(self.store.read().sort_by("row_index"), "sorted", shards[-1][1])
-        self.store.repair()
+        dataset = ds.dataset([p for _, _, p in shards], format="parquet", schema=self.schema)
+        last = pc.max(dataset.to_table(columns=["row_index"]).column(0)).as_py()
+        os.makedirs(self.store.staging)
+        for number, start in enumerate(range(0, last + 1, MERGE_ROWS), 1):
+            in_slice = (pc.field("row_index") >= start) & (pc.field("row_index") < start + MERGE_ROWS)
+            rows = dataset.to_table(filter=in_slice)
+            if rows.num_rows:
+                _write_file(self.store.staging, f"sorted-{number:06d}.parquet", rows.sort_by("row_index"))
+        os.replace(self.store.dir, self.store.old)
+        os.replace(self.store.staging, self.store.dir)
+        _fsync_dir(self.store.out_dir)
+        shutil.rmtree(self.store.old)
 
 
 class JobLock:
