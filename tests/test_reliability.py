@@ -167,3 +167,26 @@ def test_a_kill_during_the_merge_never_shows_a_row_twice_and_recovers(tmp_path, 
     ShardStore(str(tmp_path)).repair()
     indices = ds.dataset(tmp_path / "data").to_table().column("row_index").to_pylist()
     assert sorted(indices) == list(range(23))
+
+
+@pytest.mark.parametrize("error", [28, 30])   # ENOSPC (disk full), EROFS (made read-only)
+def test_a_failed_write_mid_job_stops_with_exit_5_and_resumes_exactly_once(tmp_path, tiny_model, monkeypatch,
+                                                                          error):
+    from batchrun.job import sink as sink_module
+    ids = write_prompts(tmp_path / "in.parquet", 20)
+    job = write_job(tmp_path, tiny_model[0], output={"shard_rows": 3})
+    real_write, calls = sink_module._write_file, []
+
+    def failing(directory, name, table):
+        calls.append(name)
+        if len(calls) > 2:
+            raise OSError(error, os.strerror(error))
+        return real_write(directory, name, table)
+
+    monkeypatch.setattr(sink_module, "_write_file", failing)
+    stopped = Job.from_yaml(job).run(progress="log")
+    assert stopped.exit_code == EXIT_INTERRUPTED and stopped.summary["rows_done"] == 6
+    assert os.strerror(error) in open(tmp_path / "out" / "job" / "job.log").read()
+    monkeypatch.setattr(sink_module, "_write_file", real_write)
+    done = Job.from_yaml(job).run(progress="log")
+    assert done.exit_code == 0 and sorted(done.table().column("id").to_pylist()) == ids

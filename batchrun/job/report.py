@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 
@@ -9,6 +10,8 @@ import pyarrow.compute as pc
 from prometheus_client import CollectorRegistry, Gauge, write_to_textfile
 
 from batchrun.job.sink import ShardStore
+
+log = logging.getLogger("batchrun.job")
 
 
 def write_atomic(path: str, text: str) -> None:
@@ -46,8 +49,11 @@ def counts(out_dir: str) -> dict:
 def write_summary(out_dir: str, name: str, run: dict) -> dict:
     """summary.json (totals over all runs plus this run's speed and KV figures) and metrics.prom."""
     summary = {"job": name, **counts(out_dir), **run, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    write_atomic(os.path.join(out_dir, "summary.json"), json.dumps(summary, indent=2) + "\n")
-    write_metrics(os.path.join(out_dir, "metrics.prom"), summary)
+    try:
+        write_atomic(os.path.join(out_dir, "summary.json"), json.dumps(summary, indent=2) + "\n")
+        write_metrics(os.path.join(out_dir, "metrics.prom"), summary)
+    except OSError as exc:   # disk full or read-only: the results are safe in their shards; say so and go on
+        log.error("cannot write summary.json / metrics.prom in %s (%s)", out_dir, exc.strerror or exc)
     return summary
 
 

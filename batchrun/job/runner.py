@@ -108,18 +108,18 @@ class JobRunner:
                     engine.add_request(row.token_ids, row.params, request_id=str(row.index),
                                        lane=spec.engine.lane, order_key=order_key)
                 for row in feed.failed:
-                    sink.add(_record(row))
+                    self._save(sink, _record(row))
                     progress.row(failed=True, tokens=0)
                 feed.failed.clear()
                 if not inflight and (server is None or not server.finishing()):
                     break
                 for out in llm.step():   # also admits served requests and routes their tokens
                     if out.finished:
-                        sink.add(_record(inflight.pop(out.request_id), out))
+                        self._save(sink, _record(inflight.pop(out.request_id), out))
                         progress.row(failed=out.finish_reason == "error", tokens=len(out.token_ids))
                 kv_peak = max(kv_peak, engine.stats.kv_blocks_used)
                 progress.tick(engine)
-        sink.flush()
+        self._save(sink)
         progress.close()
         wall = time.perf_counter() - start
         s = engine.stats
@@ -135,6 +135,15 @@ class JobRunner:
                 "kv_bytes_per_token": engine.kv_bytes_per_token, "bucketing": batching.bucketing,
                 "kv_cache_dtype": engine.config.kv_cache_dtype, "kv_quality_gate": kv_gate.saved_decision(out_dir),
                 "longest_first": batching.longest_first}
+
+    def _save(self, sink: ResultSink, record: dict | None = None) -> None:
+        """Add a result (or flush); a write that fails (disk full, output made read-only) stops the job as a signal
+        does: nothing more is admitted, and rows not in a complete shard run again on the next submit."""
+        try:
+            sink.add(record) if record is not None else sink.flush()
+        except OSError as exc:
+            if self.stop_reason is None:
+                self.stop_reason = f"a failed write in {sink.store.dir} ({exc.strerror or exc})"
 
     def _finish(self, out_dir: str, sink: ResultSink, run: dict) -> dict:
         out = self.spec.output
