@@ -293,6 +293,8 @@ def _engine_overrides(items) -> dict:
 @click.option("--max-tokens-limit", type=int, help="Refuse a larger max_tokens with 400 (default: the context).")
 @click.option("--max-pending", type=int, default=64, show_default=True,
               help="Requests in flight before new ones get 429.")
+@click.option("--max-body-bytes", type=int, default=4 << 20, show_default=True,
+              help="Larger request bodies get 413 before they are read.")
 @click.option("--kv-cache-memory", help="KV pool size  [default: 2GiB on CPU, profiled on CUDA]")
 @click.option("--kv-cache-dtype", default=EngineConfig.kv_cache_dtype, show_default=True)
 @click.option("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs, show_default=True)
@@ -301,7 +303,7 @@ def _engine_overrides(items) -> dict:
 @click.option("--engine", "engine_items", multiple=True, metavar="KEY=VALUE",
               help="Any other engine option (see batchrun/config.py), e.g. --engine block_size=32 (repeatable).")
 def serve(model, host, port, api_key, served_model_name, max_prompt_tokens, max_tokens_limit, max_pending,
-          kv_cache_memory, kv_cache_dtype, max_num_seqs, max_num_batched_tokens, max_model_len, engine_items) -> None:
+          max_body_bytes, kv_cache_memory, kv_cache_dtype, max_num_seqs, max_num_batched_tokens, max_model_len, engine_items) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP endpoint (/v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics); requests go to the engine's interactive lane. Needs the serve extra (fastapi, uvicorn)."""
     try:
@@ -323,7 +325,8 @@ def serve(model, host, port, api_key, served_model_name, max_prompt_tokens, max_
     try:
         llm = LLM(model=model, **options)
         app = create_app(llm, api_key=api_key, model_name=served_model_name or model,
-                         max_prompt_tokens=max_prompt_tokens, max_tokens_limit=max_tokens_limit)
+                         max_prompt_tokens=max_prompt_tokens, max_tokens_limit=max_tokens_limit,
+                         max_body_bytes=max_body_bytes)
     except (ValueError, TypeError) as exc:
         raise click.UsageError(str(exc)) from exc
     llm.max_pending_submits = max_pending

@@ -285,3 +285,40 @@ def test_a_failed_engine_step_fails_waiting_requests_and_health(tiny_model, monk
     finally:
         server.stop()
         llm.stop_background()
+
+
+def _send(url: str, head: list[str], body: bytes, pause_s: float = 0) -> tuple[int, str]:
+    """A raw HTTP/1.1 request (headers as given, body possibly partial), then the status and body of the answer."""
+    import http.client
+    host, port = url.split("//")[1].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.putrequest("POST", "/v1/completions")
+    for line in head:
+        conn.putheader(*line.split(": ", 1))
+    conn.endheaders()
+    conn.send(body)
+    time.sleep(pause_s)
+    response = conn.getresponse()
+    return response.status, response.read().decode()
+
+
+def test_bad_bodies_get_clear_4xx_answers(served):
+    llm = served[0]
+    server = ServerThread(create_app(llm, model_name="tiny", max_body_bytes=200_000, body_timeout_s=0.5)).start()
+    try:
+        big = b'{"prompt": "' + b"a" * 300_000 + b'"}'
+        status, text = _send(server.url, ["Content-Type: application/json", f"Content-Length: {len(big)}"], big)
+        assert status == 413 and "limit of 200000 bytes" in text
+        chunked = b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in (big[:150_000], big[150_000:])) + b"0\r\n\r\n"
+        status, text = _send(server.url, ["Content-Type: application/json", "Transfer-Encoding: chunked"], chunked)
+        assert status == 413
+        status, text = _send(server.url, ["Content-Type: application/json", "Content-Length: 100"], b'{"pro',
+                             pause_s=0.1)
+        assert status == 408 and "not received within 0.5 s" in text
+        for body in (b"{not json", b'{"prompt": "\xff\xfe", "max_tokens": 2}', b"[" * 50000 + b"]" * 50000):
+            status, _ = _send(server.url, ["Content-Type: application/json", f"Content-Length: {len(body)}"], body)
+            assert status == 400, body[:20]
+        ok = b'{"prompt": "hi", "max_tokens": 2}'
+        assert _send(server.url, ["Content-Type: application/json", f"Content-Length: {len(ok)}"], ok)[0] == 200
+    finally:
+        server.stop()

@@ -21,19 +21,25 @@ from batchrun.server.protocol import ChatCompletionRequest, CompletionRequest
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 DISCONNECT_POLL_S = 0.1
+MAX_BODY_BYTES = 4 << 20
+BODY_TIMEOUT_S = 30.0
 
 
 def create_app(llm, api_key: str | None = None, model_name: str | None = None, max_prompt_tokens: int | None = None,
                max_tokens_limit: int | None = None, ready: Callable[[], bool] | None = None,
-               lane: str = "interactive") -> FastAPI:
+               lane: str = "interactive", max_body_bytes: int = MAX_BODY_BYTES,
+               body_timeout_s: float = BODY_TIMEOUT_S) -> FastAPI:
     """ready: returns False while requests cannot progress (answered 503); default: always ready.
-    lane: the engine lane of served requests ("batch" only to measure one shared FIFO pool)."""
+    lane: the engine lane of served requests ("batch" only to measure one shared FIFO pool).
+    max_body_bytes: larger request bodies get 413 before they are read whole; body_timeout_s: a body that has not
+    arrived within this time gets 408 (a slow client does not hold its connection forever)."""
     max_len = llm.engine.max_model_len
     server = _Server(llm, model_name or llm.model_path, min(max_prompt_tokens or max_len - 1, max_len - 1),
                      min(max_tokens_limit or max_len, max_len), ready or (lambda: True), lane)
     app = FastAPI(title="batchrun", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
-    app.add_middleware(_Guard, api_key=api_key, metrics=server.metrics)
+    app.add_middleware(_Guard, api_key=api_key, metrics=server.metrics, max_body_bytes=max_body_bytes,
+                       body_timeout_s=body_timeout_s)
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
@@ -243,11 +249,13 @@ def _validation_api_error(exc: RequestValidationError) -> APIError:
 
 
 class _Guard:
-    """Pure ASGI middleware (streaming-safe): bearer token on /v1/*, request counts by route and status."""
+    """Pure ASGI middleware (streaming-safe): bearer token on /v1/*, a bound on the request body's size and on the
+    time it takes to arrive, request counts by route and status."""
 
-    def __init__(self, app, api_key: str | None, metrics: ServerMetrics):
+    def __init__(self, app, api_key: str | None, metrics: ServerMetrics, max_body_bytes: int, body_timeout_s: float):
         self.app, self.metrics = app, metrics
         self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.max_body_bytes, self.body_timeout_s = max_body_bytes, body_timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -265,10 +273,52 @@ class _Guard:
                 error = APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
                                  code="invalid_api_key")
                 await error.response()(scope, receive, send_status)
+            elif self._declared_length(scope) > self.max_body_bytes:
+                await self._too_large().response()(scope, receive, send_status)
             else:
-                await self.app(scope, receive, send_status)
+                await self.app(scope, *self._bounded(scope, receive, send_status))
         finally:
             self.metrics.count_request(path if path in ROUTES else "other", status[0])
+
+    @staticmethod
+    def _declared_length(scope) -> int:
+        value = next((v for k, v in scope["headers"] if k == b"content-length"), b"0")
+        return int(value) if value.isdigit() else 0
+
+    def _too_large(self) -> APIError:
+        return APIError(413, f"body: larger than this server's limit of {self.max_body_bytes} bytes")
+
+    def _bounded(self, scope, receive, send):
+        """(receive, send) for the app: receive counts the body's bytes (a chunked body declares no length) and
+        times its arrival; past a bound the answer (413 or 408) is sent here, the app sees a disconnect and what it
+        sends is dropped. Once the body is complete (later receives wait for a disconnect) both are left alone."""
+        received, complete, answered = 0, False, False
+
+        async def reject(error: APIError):
+            nonlocal answered
+            await error.response()(scope, receive, send)
+            answered = True
+            return {"type": "http.disconnect"}
+
+        async def bounded_receive():
+            nonlocal received, complete
+            if complete:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.body_timeout_s)
+            except asyncio.TimeoutError:
+                return await reject(APIError(408, f"body: not received within {self.body_timeout_s:g} s"))
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    return await reject(self._too_large())
+                complete = not message.get("more_body", False)
+            return message
+
+        async def app_send(message):
+            if not answered:
+                await send(message)
+        return bounded_receive, app_send
 
     def _authorized(self, scope) -> bool:
         got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
