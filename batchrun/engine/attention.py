@@ -9,7 +9,7 @@ from batchrun.kernels import cpu_attention, reference
 
 
 class TorchAttentionBackend:
-    """Decodes: on CPU the compiled kernel (kernels/cpu_attention.py) over all decode requests at once, reading the
+    """Decodes: on CPU the compiled kernel (batchrun/kernels/cpu_attention.py) over all decode requests at once, reading the
     paged pool in place; without it, the pure-torch path vectorised over groups of similar context length (so
     padding stays small). Prefill chunks one request at a time (few per step)."""
 

@@ -1,4 +1,4 @@
-"""Attention backend on the Triton kernels (kernels/cache_write.py, kernels/paged_attention.py): the CUDA path.
+"""Attention backend on the Triton kernels (batchrun/kernels/cache_write.py, paged_attention.py): the CUDA path.
 
 Per step it needs, beyond AttentionMetadata, one padded block table for all decodes and one for all prefill
 chunks (plus cu_seqlens and context lengths). It builds them from the decode groups and prefill chunks once per

@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
         model = None if args.skip_e2e else args.model
     else:
         if not torch.cuda.is_available():
-            raise SystemExit("kernels/bench.py measures on a CUDA GPU and none is visible here; "
+            raise SystemExit("batchrun/kernels/bench.py measures on a CUDA GPU and none is visible here; "
                              "run it on a GPU machine, or use --dry-run to check its shapes and byte counts")
         device, shape, timer, configs = torch.device("cuda"), DecodeShape(), cuda_median_ms, DECODE_CONFIGS
         ceiling = copy_bandwidth(device)
