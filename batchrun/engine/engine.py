@@ -16,7 +16,7 @@ from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.model_runner import ModelRunner
 from batchrun.engine.request import Request, RequestOutput
 from batchrun.engine.sampler import Sampler
-from batchrun.engine.scheduler import Lane, Scheduler, WaitingQueue, default_admission_key
+from batchrun.engine.scheduler import Lane, Scheduler, StepPlan, WaitingQueue, default_admission_key
 from batchrun.engine.stop import StopRule
 from batchrun.models.llama import LlamaForCausalLM
 from batchrun.sampling_params import SamplingParams
@@ -32,6 +32,8 @@ class StepStats:
     running: int = 0
     waiting: int = 0
     scheduled_tokens: int = 0
+    scheduled_seqs: int = 0
+    context_tokens: int = 0            # sum over scheduled sequences of their context after the step (KV read)
     kv_blocks_used: int = 0
     kv_blocks_free: int = 0
     prefix_cache_hit_tokens: int = 0   # cumulative
@@ -180,6 +182,7 @@ class Engine:
         touched = self._rejected
         self._rejected = []
         plan = self.scheduler.schedule()
+        context = sum(r.num_computed_tokens + n for r, n in plan.scheduled)   # read before update advances them
         if plan.scheduled:
             self.stats.prompt_tokens += plan.num_prompt_tokens
             logits, sample_reqs = self.runner.run(plan, self._pool_of)
@@ -195,7 +198,7 @@ class Engine:
             self.stats.output_tokens += len(sample_reqs)
         elif not touched and self.scheduler.running:
             raise RuntimeError("scheduler planned no work while requests are running")
-        self._update_stats(plan.num_tokens, time.perf_counter() - start)
+        self._update_stats(plan, context, time.perf_counter() - start)
         return [self._output(r) for r in touched]
 
     def _finish(self, request: Request, reason: str, error: str | None = None) -> None:
@@ -222,12 +225,13 @@ class Engine:
             time_to_first_token=(request.first_token_time - request.arrival_time) if request.first_token_time else None,
             latency=(request.finish_time - request.arrival_time) if done else None)
 
-    def _update_stats(self, scheduled_tokens: int, step_time: float) -> None:
+    def _update_stats(self, plan: StepPlan, context_tokens: int, step_time: float) -> None:
         s = self.stats
         s.step += 1
         lanes = self.scheduler.lanes
         s.running, s.waiting = len(self.scheduler.running), self.scheduler.num_waiting
-        s.scheduled_tokens, s.step_time = scheduled_tokens, step_time
+        s.scheduled_tokens, s.scheduled_seqs = plan.num_tokens, len(plan.scheduled)
+        s.context_tokens, s.step_time = context_tokens, step_time
         s.kv_blocks_free = sum(lane.block_manager.num_free_blocks for lane in lanes)
         s.kv_blocks_used = self.num_blocks - s.kv_blocks_free
         s.prefix_cache_hit_tokens = sum(lane.block_manager.prefix_hits for lane in lanes)

@@ -46,6 +46,10 @@ class WaitingQueue:
     def __len__(self) -> int:
         return len(self._heap)
 
+    def ordered(self) -> list[Request]:
+        """The waiting requests in the order they would be admitted."""
+        return [entry[2] for entry in sorted(self._heap, key=lambda entry: entry[:2])]
+
 
 @dataclass
 class StepPlan:
@@ -106,6 +110,10 @@ class Scheduler:
     @property
     def running(self) -> list[Request]:
         return [r for lane in self.lanes for r in lane.running]
+
+    @property
+    def waiting(self) -> list[Request]:
+        return [r for lane in self.lanes for r in lane.waiting.ordered()]
 
     @property
     def num_waiting(self) -> int:

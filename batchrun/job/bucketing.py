@@ -14,9 +14,11 @@ from batchrun.job.source import Row
 
 class RowFeed:
     def __init__(self, batches: Iterable[list[Row]], prepare: Callable[[list[Row]], None], window: int,
-                 bucketing: bool, skip: set[int], longest_first: bool = False):
+                 bucketing: bool, skip: set[int], longest_first: bool = False,
+                 observe: Callable[[list[Row]], None] = lambda rows: None):
         self._batches: Iterator[list[Row]] = iter(batches)
         self.prepare, self.window, self.bucketing, self.skip = prepare, window, bucketing, skip
+        self.observe = observe   # sees every batch of rows read, once prepared (the ETA's prompt lengths)
         self.longest_first = longest_first
         self.queue: deque[tuple[tuple, Row]] = deque()   # (order_key, row), in admission order
         self.failed: list[Row] = []                     # rows that failed before the engine: write them as they are
@@ -29,6 +31,11 @@ class RowFeed:
             self._fill()
         return self.queue.popleft() if self.queue else None
 
+    @property
+    def queued(self) -> Iterator[Row]:
+        """Rows read and prepared, not yet handed out."""
+        return (row for _, row in self.queue)
+
     def _fill(self) -> None:
         rows: list[Row] = []
         while len(rows) < self.window:
@@ -38,6 +45,7 @@ class RowFeed:
                 break
             batch = [r for r in batch if r.index not in self.skip]
             self.prepare(batch)
+            self.observe(batch)
             for row in batch:
                 (self.failed if row.error else rows).append(row)
         if self.bucketing:

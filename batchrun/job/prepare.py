@@ -14,7 +14,7 @@ from batchrun.job.sink import ShardStore
 from batchrun.job.source import ParquetSource, fingerprint
 from batchrun.job.spec import IDENTITY, JobSpec
 
-OUTPUT_FILES = ("data", "job.json", "summary.json", "metrics.prom", "job.log", "output.jsonl")
+OUTPUT_FILES = ("data", "job.json", "summary.json", "metrics.prom", "job.log", "output.jsonl", "eta_state.json")
 
 
 def open_source(spec: JobSpec) -> ParquetSource | OpenAIBatchSource:

@@ -1,41 +1,89 @@
-"""Progress: a tqdm bar on a terminal (rows done/total, output tokens/s, ETA); log lines otherwise (cron)."""
+"""Progress: a tqdm bar on a terminal or in Jupyter (a widget), log lines otherwise (cron): rows, output tokens and
+tok/s, the time left and predicted finish from the work left (job/eta.py), and whether the job is on track for its
+deadline."""
 from __future__ import annotations
 
 import logging
+import sys
 import time
+from datetime import datetime
 
 from tqdm.auto import tqdm
+
+from batchrun.job.eta import Eta, EtaEstimator, clock_text, deadline_verdict, duration_text
 
 log = logging.getLogger("batchrun.job")
 
 
+def in_notebook() -> bool:
+    """Inside a Jupyter (IPython) kernel, where stderr is not a terminal but a widget bar shows."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    return shell is not None and "IPKernelApp" in getattr(shell, "config", {})
+
+
 class Progress:
-    def __init__(self, total: int, done: int, tty: bool, log_every_s: float, name: str):
+    def __init__(self, total: int, done: int, tty: bool, log_every_s: float, name: str,
+                 eta: EtaEstimator | None = None, deadline: datetime | None = None, job_path: str = "job.yaml"):
         self.total, self.done, self.failed, self.tokens = total, done, 0, 0
         self.start = self.last_log = time.monotonic()
         self.done_at_start, self.log_every_s = done, log_every_s
+        self.estimator, self.deadline, self.job_path = eta, deadline, job_path
+        self.eta: Eta | None = None
         self.bar = tqdm(total=total, initial=done, desc=name, unit="row", dynamic_ncols=True) if tty else None
 
-    def row(self, failed: bool, tokens: int) -> None:
+    def row(self, failed: bool, tokens: int, max_tokens: int | None = None, prompt_tokens: int = 0) -> None:
         self.done += 1
         self.failed += failed
         self.tokens += tokens
+        if self.estimator is not None and not failed and max_tokens:
+            self.estimator.observe_finished(tokens, max_tokens, prompt_tokens)
         if self.bar is not None:
             self.bar.update(1)
 
-    def tick(self, engine) -> None:
+    def tick(self, engine, queued) -> bool:
+        """After each engine step; queued: rows read but not admitted. True when a report is due (every
+        log_every_s): the caller then refreshes summary.json and metrics.prom."""
         now = time.monotonic()
-        rate = self.tokens / max(now - self.start, 1e-9)
         s = engine.stats
-        detail = f"{rate:.1f} out tok/s, run {s.running}, wait {s.waiting}, kv {s.kv_blocks_used}/{engine.num_blocks}"
+        if self.estimator is not None:
+            self.estimator.observe_step(s.scheduled_tokens, s.scheduled_seqs, s.context_tokens, s.step_time)
+            self.eta = self.estimator.estimate(engine.scheduler, queued)
+        rate = self.tokens / max(now - self.start, 1e-9)
+        detail = (f"{self.tokens} out tok, {rate:.1f} out tok/s, run {s.running}, wait {s.waiting}, "
+                  f"kv {s.kv_blocks_used}/{engine.num_blocks}")
         if self.bar is not None:
-            self.bar.set_postfix_str(f"{detail}, failed {self.failed}", refresh=False)
-        elif now - self.last_log >= self.log_every_s:
-            self.last_log = now
-            rows_rate = (self.done - self.done_at_start) / max(now - self.start, 1e-9)
-            eta = f"{(self.total - self.done) / rows_rate:.0f}s" if rows_rate > 0 else "?"
-            log.info("rows %d/%d (%d failed this run), %s, preemptions %d, ETA %s",
-                     self.done, self.total, self.failed, detail, s.preemptions, eta)
+            self.bar.set_postfix_str(f"{detail}, failed {self.failed}, {self.time_left()}", refresh=False)
+        if now - self.last_log < self.log_every_s:
+            return False
+        self.last_log = now
+        if self.bar is None:
+            verdict = self.verdict()
+            log.info("rows %d/%d (%d failed this run), %s, preemptions %d, %s%s", self.done, self.total, self.failed,
+                     detail, s.preemptions, self.time_left(), f"; {verdict[1]}" if verdict else "")
+        return True
+
+    def time_left(self) -> str:
+        if self.eta is None:
+            return "time left ? (fitting the step time)"
+        finish = datetime.fromtimestamp(self.eta.finish_at)
+        return f"time left {duration_text(self.eta.seconds_left)} (finish {clock_text(finish, datetime.now())})"
+
+    def verdict(self) -> tuple[bool, str] | None:
+        if self.eta is None or self.deadline is None:
+            return None
+        return deadline_verdict(self.eta.finish_at, self.deadline, self.job_path)
+
+    def figures(self) -> dict:
+        """The estimate for summary.json and metrics.prom."""
+        verdict = self.verdict()
+        return {"eta_seconds": None if self.eta is None else round(self.eta.seconds_left, 1),
+                "predicted_finish": None if self.eta is None else
+                datetime.fromtimestamp(self.eta.finish_at).astimezone().isoformat(timespec="seconds"),
+                "predicted_finish_timestamp": None if self.eta is None else round(self.eta.finish_at, 1),
+                "expected_output_tokens_left": None if self.eta is None else self.eta.output_tokens_left,
+                "deadline": None if self.deadline is None else self.deadline.astimezone().isoformat(timespec="minutes"),
+                "on_track": None if verdict is None else verdict[0]}
 
     def close(self) -> None:
         if self.bar is not None:

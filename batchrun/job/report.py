@@ -12,6 +12,9 @@ from prometheus_client import CollectorRegistry, Gauge, write_to_textfile
 from batchrun.job.sink import ShardStore
 
 log = logging.getLogger("batchrun.job")
+ETA_STATE = "eta_state.json"
+ESTIMATE_FIELDS = ("eta_seconds", "predicted_finish", "predicted_finish_timestamp", "expected_output_tokens_left",
+                   "deadline", "on_track", "output_tokens_per_s")
 
 
 def write_atomic(path: str, text: str) -> None:
@@ -46,6 +49,30 @@ def counts(out_dir: str) -> dict:
     return c
 
 
+def read_summary(out_dir: str) -> dict | None:
+    try:
+        with open(os.path.join(out_dir, "summary.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def read_eta_state(out_dir: str) -> dict | None:
+    """The step records and output lengths an earlier run saved for the ETA (None: none, or unreadable)."""
+    try:
+        with open(os.path.join(out_dir, ETA_STATE)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def write_eta_state(out_dir: str, state: dict) -> None:
+    try:
+        write_atomic(os.path.join(out_dir, ETA_STATE), json.dumps(state) + "\n")
+    except OSError as exc:
+        log.error("cannot write %s in %s (%s)", ETA_STATE, out_dir, exc.strerror or exc)
+
+
 def write_summary(out_dir: str, name: str, run: dict) -> dict:
     """summary.json (totals over all runs plus this run's speed and KV figures) and metrics.prom."""
     summary = {"job": name, **counts(out_dir), **run, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
@@ -72,7 +99,14 @@ def write_metrics(path: str, s: dict) -> None:
         ("batchrun_job_run_preemptions", "KV preemptions in the last run.", [({}, s["preemptions"])]),
         ("batchrun_job_run_kv_blocks_peak", "Most KV blocks in use at once in the last run.",
          [({}, s["kv_blocks_peak"])]),
-        ("batchrun_job_exit_code", "Exit code of the last run (see batchrun submit --help).", [({}, s["exit_code"])]),
+        ("batchrun_job_exit_code", "Exit code of the last run (see batchrun submit --help); NaN while running.",
+         [({}, s["exit_code"])]),
+        ("batchrun_job_eta_seconds", "Predicted seconds until the job is done (0 when done; NaN when not known).",
+         [({}, s.get("eta_seconds"))]),
+        ("batchrun_job_predicted_finish_timestamp", "Predicted finish time, Unix seconds (NaN when not known).",
+         [({}, s.get("predicted_finish_timestamp"))]),
+        ("batchrun_job_on_track", "1 when the predicted finish is before the job's deadline, else 0 (NaN without "
+                                  "a deadline or an estimate).", [({}, s.get("on_track"))]),
         ("batchrun_job_last_run_timestamp_seconds", "When the last run ended.", [({}, time.time())]),
     ]
     for name, help_text, samples in metrics:

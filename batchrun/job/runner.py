@@ -12,13 +12,14 @@ import signal
 import sys
 import threading
 import time
+from datetime import datetime
 
-from batchrun.job import kv_gate, preflight, prepare
+from batchrun.job import kv_gate, preflight, prepare, report
 from batchrun.job.bucketing import RowFeed
 from batchrun.job.errors import EXIT_FAILED_ROWS, EXIT_INTERRUPTED, EXIT_OK
-from batchrun.job.progress import Progress
+from batchrun.job.eta import EtaEstimator
+from batchrun.job.progress import Progress, in_notebook
 from batchrun.job.prompts import PromptEncoder
-from batchrun.job.report import counts, write_summary
 from batchrun.job.sink import JobLock, ResultSink, result_schema
 from batchrun.job.source import Row
 from batchrun.job.spec import JobSpec
@@ -40,7 +41,7 @@ class JobRunner:
     def __init__(self, spec: JobSpec, restart: bool = False, progress: str = "auto", serve=None):
         self.spec, self.restart = spec, restart
         self.serve = serve   # optional llm -> context manager serving HTTP on the job's engine (submit --serve)
-        self.tty = sys.stderr.isatty() if progress == "auto" else progress == "bar"
+        self.tty = (sys.stderr.isatty() or in_notebook()) if progress == "auto" else progress == "bar"
         self.stop_reason: str | None = None
 
     def run(self) -> tuple[str, dict]:
@@ -93,12 +94,19 @@ class JobRunner:
             field, _, message = str(exc).partition(": ")
             raise spec.fail(("model",) if field == "model" else ("engine", field), message) from exc
         engine, batching = llm.engine, spec.batching
+        config = engine.config
         encoder = PromptEncoder(spec.input, llm.tokenizer, engine.max_model_len)
+        eta = EtaEstimator(num_blocks=engine.block_manager.num_blocks, block_size=config.block_size,
+                           max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                           prefix_caching=config.enable_prefix_caching, rows_to_read=total - len(done),
+                           window=batching.window, bucketing=batching.bucketing,
+                           longest_first=batching.longest_first, saved=report.read_eta_state(out_dir))
         feed = RowFeed(source.batches(min(1024, batching.window)), encoder.prepare, batching.window,
-                       batching.bucketing, done, batching.longest_first)
-        in_flight_cap = engine.config.max_num_seqs + (batching.max_waiting or 4 * engine.config.max_num_seqs)
+                       batching.bucketing, done, batching.longest_first, observe=eta.observe_rows)
+        in_flight_cap = config.max_num_seqs + (batching.max_waiting or 4 * config.max_num_seqs)
         inflight: dict[str, Row] = {}
-        progress = Progress(total, len(done), self.tty, spec.output.log_every_s, self._name())
+        progress = Progress(total, len(done), self.tty, spec.output.log_every_s, self._name(), eta, spec.deadline_at,
+                            spec.path)
         start, kv_peak = time.perf_counter(), 0
         with self.serve(llm) if self.serve else contextlib.nullcontext() as server:
             while self.stop_reason is None:
@@ -115,17 +123,25 @@ class JobRunner:
                     break
                 for out in llm.step():   # also admits served requests and routes their tokens
                     if out.finished:
-                        self._save(sink, _record(inflight.pop(out.request_id), out))
-                        progress.row(failed=out.finish_reason == "error", tokens=len(out.token_ids))
+                        row = inflight.pop(out.request_id)
+                        self._save(sink, _record(row, out))
+                        progress.row(failed=out.finish_reason == "error", tokens=len(out.token_ids),
+                                     max_tokens=row.params.max_tokens, prompt_tokens=out.prompt_tokens)
                 kv_peak = max(kv_peak, engine.stats.kv_blocks_used)
-                progress.tick(engine)
+                if progress.tick(engine, feed.queued):
+                    figures = self._figures(out_dir, engine, sink, progress, start, kv_peak)
+                    self._report(out_dir, progress, eta, figures)
         self._save(sink)
         progress.close()
-        wall = time.perf_counter() - start
-        s = engine.stats
+        report.write_eta_state(out_dir, eta.state())
         if self.stop_reason:
             log.warning("stopped by %s: %d rows saved this run, %d left in flight will run on the next submit",
                         self.stop_reason, sink.rows_written, len(inflight))
+        return self._figures(out_dir, engine, sink, progress, start, kv_peak)
+
+    def _figures(self, out_dir: str, engine, sink: ResultSink, progress: Progress, start: float, kv_peak: int) -> dict:
+        """This run's figures so far, for summary.json."""
+        batching, s, wall = self.spec.batching, engine.stats, time.perf_counter() - start
         return {"rows_this_run": sink.rows_written, "wall_s": round(wall, 3),
                 "output_tokens_this_run": progress.tokens,
                 "output_tokens_per_s": round(progress.tokens / max(wall, 1e-9), 2),
@@ -135,6 +151,13 @@ class JobRunner:
                 "kv_bytes_per_token": engine.kv_bytes_per_token, "bucketing": batching.bucketing,
                 "kv_cache_dtype": engine.config.kv_cache_dtype, "kv_quality_gate": kv_gate.saved_decision(out_dir),
                 "longest_first": batching.longest_first}
+
+    def _report(self, out_dir: str, progress: Progress, eta: EtaEstimator, run: dict) -> None:
+        """While running: summary.json and metrics.prom with the estimate (`batchrun status` and alerts read them),
+        and the step records a resumed run starts its estimate from."""
+        report.write_summary(out_dir, self._name(), {**run, **progress.figures(), "exit_code": None,
+                                                     "status": "running"})
+        report.write_eta_state(out_dir, eta.state())
 
     def _save(self, sink: ResultSink, record: dict | None = None) -> None:
         """Add a result (or flush); a write that fails (disk full, output made read-only) stops the job as a signal
@@ -153,12 +176,19 @@ class JobRunner:
             if out.openai_batch:
                 from batchrun.job.openai_batch import write_output
                 write_output(sink.store.read(), os.path.join(out_dir, "output.jsonl"), self.spec.model)
-        failed = counts(out_dir)["rows_failed"]
+        failed = report.counts(out_dir)["rows_failed"]
         code = EXIT_INTERRUPTED if self.stop_reason else EXIT_FAILED_ROWS if failed else EXIT_OK
+        now, deadline = time.time(), self.spec.deadline_at
         run = {"rows_this_run": 0, "wall_s": 0.0, "output_tokens_this_run": 0, "output_tokens_per_s": 0.0,
                "preemptions": 0, "kv_blocks_peak": 0, **run, "exit_code": code,
-               "status": "interrupted" if self.stop_reason else "done"}
-        summary = write_summary(out_dir, self._name(), run)
+               "status": "interrupted" if self.stop_reason else "done",
+               "eta_seconds": None if self.stop_reason else 0.0,
+               "predicted_finish_timestamp": None if self.stop_reason else round(now, 1),
+               "predicted_finish": None if self.stop_reason else
+               datetime.fromtimestamp(now).astimezone().isoformat(timespec="seconds"),
+               "deadline": None if deadline is None else deadline.astimezone().isoformat(timespec="minutes"),
+               "on_track": None if deadline is None or self.stop_reason else now <= deadline.timestamp()}
+        summary = report.write_summary(out_dir, self._name(), run)
         log.info("job %s: %s, %d ok, %d failed, %s remaining; summary in %s", self._name(), run["status"],
                  summary["rows_ok"], summary["rows_failed"], summary["rows_remaining"], out_dir)
         return summary

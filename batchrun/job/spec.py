@@ -15,11 +15,14 @@ import string
 import typing
 from typing import Literal, Optional
 
+from datetime import datetime
+
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, create_model, model_validator
 
 from batchrun.config import EngineConfig
 from batchrun.job.errors import JobError
+from batchrun.job.eta import parse_deadline
 from batchrun.sampling_params import SamplingParams
 
 # Deliberate differences from SamplingParams (vLLM's defaults, kept for the Python API): a nightly job is greedy and
@@ -118,6 +121,9 @@ class JobModel(Section):
     """A batchrun job file."""
     name: Optional[str] = None
     model: str = EngineConfig.model
+    deadline: Optional[str | int] = Field(None, description='"07:00" (the next 07:00) or a date-time '
+                                                             '"2030-01-31T06:00": the progress says whether the job is '
+                                                             'on track for it')
     input: InputSection
     output: OutputSection
     sampling: SamplingSection = Field(default_factory=SamplingSection)
@@ -133,6 +139,8 @@ def json_schema() -> dict:
 class JobSpec:
     name: str | None
     model: str
+    deadline: str | int | None
+    deadline_at: datetime | None   # the deadline as a local time, read when the job file is
     input: InputSection
     output: OutputSection
     sampling: SamplingSection
@@ -150,6 +158,7 @@ class JobSpec:
             setattr(self, section, getattr(job, section))
         self.model = self._resolve_model(self.model)
         self._check_rules()
+        self.deadline_at = self._read_deadline()
 
     @classmethod
     def from_yaml(cls, path: str, overrides: list[str] = ()) -> "JobSpec":
@@ -233,6 +242,17 @@ class JobSpec:
             self.sampling_params()
         except ValueError as exc:
             raise self._field_error("sampling", exc) from exc
+
+    def _read_deadline(self) -> datetime | None:
+        if self.deadline is None:
+            return None
+        if isinstance(self.deadline, int):   # YAML 1.1 reads an unquoted 07:00 as the number 420
+            raise self.fail(("deadline",), f"write the time in quotes, e.g. deadline: \"07:00\" (YAML reads an "
+                                           f"unquoted 07:00 as the number {self.deadline})")
+        try:
+            return parse_deadline(self.deadline)
+        except ValueError as exc:
+            raise self.fail(("deadline",), str(exc)) from None
 
     def _field_error(self, section: str, exc: ValueError) -> JobError:
         """'field: message' from EngineConfig or SamplingParams, placed at section.field."""

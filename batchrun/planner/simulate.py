@@ -1,15 +1,16 @@
 """Discrete-event simulation: the engine's real Scheduler and BlockManager, a cost model instead of a forward.
 
 Each simulated step is what Engine.step() does minus the model: schedule, then the scheduler's own step update with
-token 0 for each request that caught up (it finishes once it has its output length). The step's shape (tokens, sequences, KV read) is recorded; a step-time
-model turns the trace into a timeline, so one trace serves every GPU type with the same pool size.
+token 0 for each request that caught up (it finishes once it has its output length). The step's shape (tokens,
+sequences, KV read) is recorded; a step-time model turns the trace into a timeline, so one trace serves every GPU
+type with the same pool size.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from batchrun.engine.block_manager import BlockManager
-from batchrun.engine.request import Request
+from batchrun.engine.request import Request, RequestStatus
 from batchrun.engine.scheduler import Scheduler, StepPlan
 from batchrun.planner.costmodel import StepShape
 from batchrun.sampling_params import SamplingParams
@@ -17,9 +18,12 @@ from batchrun.sampling_params import SamplingParams
 
 @dataclass(frozen=True)
 class WorkItem:
-    """One request of the job: its prompt (token ids, or only a length) and how many tokens it will generate."""
+    """One request of the job: its prompt (token ids, or only a length) and how many tokens it will generate.
+    `computed` > 0: a request already running, whose first `computed` tokens are in the KV cache (a job's ETA
+    simulates from the engine's present state)."""
     prompt: tuple[int, ...] | int
     output_tokens: int
+    computed: int = 0
 
     @property
     def prompt_len(self) -> int:
@@ -90,14 +94,27 @@ def make_requests(items: list[WorkItem], keys: list[tuple] | None = None) -> lis
             for i, item in enumerate(items) if item.output_tokens >= 1]
 
 
+def place_running(scheduler: Scheduler, request: Request, computed: int) -> bool:
+    """Put a request in the running batch with `computed` tokens in the cache, as the engine holds it mid-job;
+    False when the pool cannot hold it (it then waits and recomputes, as after a preemption)."""
+    lane = scheduler.lanes[-1]
+    if len(lane.running) >= scheduler.max_num_seqs or not lane.block_manager.allocate_slots(request, computed):
+        return False
+    request.num_computed_tokens, request.status = computed, RequestStatus.RUNNING
+    lane.running.append(request)
+    return True
+
+
 def simulate(items: list[WorkItem], num_blocks: int, block_size: int = 16, max_num_seqs: int = 128,
              max_num_batched_tokens: int = 1024, prefix_caching: bool = False, keys: list[tuple] | None = None,
              max_steps: int = 5_000_000) -> Trace:
     """Run every item through the real scheduler and block manager; the trace of step shapes.
     Prefix caching needs real token ids (an int prompt becomes distinct dummy ids, so nothing is shared)."""
     scheduler = make_scheduler(num_blocks, block_size, max_num_seqs, max_num_batched_tokens, prefix_caching)
+    computed = {str(i): item.computed for i, item in enumerate(items) if item.computed}
     for request in make_requests(items, keys):
-        scheduler.add(request)
+        if not (request.request_id in computed and place_running(scheduler, request, computed[request.request_id])):
+            scheduler.add(request)
     trace = Trace()
     while scheduler.has_unfinished():
         plan = scheduler.schedule()

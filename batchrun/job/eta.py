@@ -1,0 +1,259 @@
+"""Time left for a running job from the work left, not the rows left, priced by the planner's step model.
+
+Each engine step the runner records the step's shape and time. Every so often the step-time model
+t = a + b x tokens + c x context (the fit `batchrun plan --calibrate` uses) is refitted on the recent steps and
+the work left is simulated over the real scheduler: the engine's running requests as they stand (their KV in the
+cache), its waiting ones, the rows read but not admitted, and the rows not read yet (prompt lengths drawn from
+the rows read so far, bucketed as the feed will). Output lengths come from the rows finished so far with the
+running ones as lower bounds (Kaplan-Meier), since outputs stop early and short ones finish first.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import random
+import time
+from collections import deque
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+import numpy as np
+
+from batchrun.planner.costmodel import LinearModel, StepShape, fit_linear
+from batchrun.planner.simulate import WorkItem, simulate, timeline
+
+WARMUP_STEPS = 2          # a run's first steps pay one-off costs (allocation, compilation): not fitted
+MIN_STEPS = 12            # steps needed before the first fit
+KEEP = 4096               # recent steps and finished lengths kept (and saved for a resumed run)
+MAX_SIMULATED = 2000      # rows not started beyond this are simulated as an evenly spaced sample, scaled up
+SIM_COST_SHARE = 0.02     # re-simulate at most so often that simulating costs <= 2% of the job's time
+
+
+@dataclass
+class Eta:
+    seconds_left: float
+    finish_at: float            # epoch seconds
+    output_tokens_left: int     # expected, with the observed output lengths
+
+
+class KaplanMeier:
+    """The distribution of a fraction in (0, 1] from observed values and censored ones (known only to exceed their
+    value), with the mass no observation has reached put at 1."""
+
+    def __init__(self, events: list[float], censored: list[float]):
+        events, censored = np.sort(np.array(events, dtype=float)), np.sort(np.array(censored, dtype=float))
+        values, deaths = np.unique(events, return_counts=True)
+        at_risk = (len(events) - np.searchsorted(events, values, side="left")
+                   + len(censored) - np.searchsorted(censored, values, side="left"))
+        survival = np.cumprod(1 - deaths / at_risk)
+        self.values = np.append(values, 1.0)
+        self.mass = np.append(-np.diff(np.concatenate([[1.0], survival])), survival[-1] if len(survival) else 1.0)
+
+    def mean_above(self, x: float) -> float:
+        above = self.values > x
+        mass = self.mass[above].sum()
+        return (self.values[above] * self.mass[above]).sum() / mass if mass > 1e-12 else 1.0
+
+
+class OutputLengths:
+    """Output length as a fraction of max_tokens, by prompt length (a question and an article to summarise stop at
+    different points, and bucketing runs them at different times): finished rows are observations, running rows
+    censored ones (their length exceeds what they have generated)."""
+
+    MIN_EVENTS = 30   # finished rows a prompt-length class needs to get its own distribution
+
+    def __init__(self, finished: list[tuple[int, float]] = ()):
+        self.finished: deque[tuple[int, float]] = deque(map(tuple, finished), maxlen=KEEP)
+        self._all = KaplanMeier([], [])               # nothing observed yet: every row runs to max_tokens
+        self._by_class: dict[int, KaplanMeier] = {}
+
+    @staticmethod
+    def _class(prompt_tokens: int) -> int:
+        return max(prompt_tokens, 1).bit_length()    # powers of two
+
+    def fit(self, running: list[tuple[int, float]]) -> None:
+        """running: (prompt tokens, fraction of max_tokens generated so far) of the rows in the engine."""
+        self._all = KaplanMeier([f for _, f in self.finished], [f for _, f in running])
+        self._by_class = {}
+        for c in {self._class(p) for p, _ in self.finished}:
+            near = [f for p, f in self.finished if abs(self._class(p) - c) <= 1]
+            if len(near) >= self.MIN_EVENTS:
+                self._by_class[c] = KaplanMeier(near, [f for p, f in running if abs(self._class(p) - c) <= 1])
+
+    def expected(self, generated: int, max_tokens: int, prompt_tokens: int) -> int:
+        """Expected total output tokens of a row that has generated `generated` without stopping."""
+        km = self._by_class.get(self._class(prompt_tokens), self._all)
+        ratio = km.mean_above(generated / max(max_tokens, 1))
+        return min(max_tokens, max(generated + 1, round(ratio * max_tokens)))
+
+
+class EtaEstimator:
+    def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 prefix_caching: bool, rows_to_read: int, window: int, bucketing: bool, longest_first: bool,
+                 saved: dict | None = None, clock=time.monotonic, wall_clock=time.time, min_interval_s: float = 30.0):
+        self.pool = (num_blocks, block_size, max_num_seqs, max_num_batched_tokens, prefix_caching)
+        self.rows_to_read, self.window = rows_to_read, window
+        self.bucketing, self.longest_first = bucketing, longest_first
+        self.clock, self.wall_clock, self.min_interval_s = clock, wall_clock, min_interval_s
+        saved = saved or {}
+        self.steps: deque[tuple[int, int, int, float]] = deque(map(tuple, saved.get("steps", [])), maxlen=KEEP)
+        self.lengths = OutputLengths(saved.get("output_fractions", []))
+        self.overhead = float(saved.get("overhead", 1.0))   # wall time / time inside steps (the runner's own work)
+        self.prompt_sample: list[tuple[int, int]] = []       # (prompt tokens, max_tokens) of rows read, a reservoir
+        self.rows_read = 0
+        self._random = random.Random(0)
+        self._run_steps, self._run_step_s = 0, 0.0
+        self._run_start: float | None = None
+        self._last: tuple[float, Eta] | None = None          # (clock at the simulation, its estimate)
+        self._recent: deque[tuple[float, float]] = deque(maxlen=3)   # (clock, seconds left) of the last simulations
+        self._interval = min_interval_s
+
+    # -- observations ------------------------------------------------------------------------------------------
+    def observe_rows(self, rows) -> None:
+        """Rows the feed has read and tokenized (they are no longer 'not read')."""
+        for row in rows:
+            self.rows_read += 1
+            if row.error:
+                continue
+            item = (len(row.token_ids), row.params.max_tokens)
+            if len(self.prompt_sample) < KEEP:
+                self.prompt_sample.append(item)
+            elif (j := self._random.randrange(self.rows_read)) < KEEP:
+                self.prompt_sample[j] = item
+
+    def observe_step(self, tokens: int, seqs: int, context_tokens: int, seconds: float) -> None:
+        if self._run_start is None:
+            self._run_start = self.clock() - seconds
+        self._run_steps += 1
+        self._run_step_s += seconds
+        if tokens and self._run_steps > WARMUP_STEPS:
+            self.steps.append((tokens, seqs, context_tokens, seconds))
+
+    def observe_finished(self, generated: int, max_tokens: int, prompt_tokens: int) -> None:
+        self.lengths.finished.append((prompt_tokens, min(1.0, generated / max(max_tokens, 1))))
+
+    def state(self) -> dict:
+        """What a resumed run starts from."""
+        return {"steps": list(self.steps), "output_fractions": list(self.lengths.finished),
+                "overhead": round(self.overhead, 4)}
+
+    # -- the estimate ------------------------------------------------------------------------------------------
+    def estimate(self, scheduler, queued) -> Eta | None:
+        """From the engine's scheduler (its running and waiting requests) and the rows read but not admitted; None
+        before the first fit. Re-simulates when the last simulation is old enough; otherwise counts down from it."""
+        now = self.clock()
+        if self._last is not None and now - self._last[0] < self._interval:
+            at, eta = self._last
+            left = max(0.0, eta.seconds_left - (now - at))
+            return Eta(left, eta.finish_at, eta.output_tokens_left)
+        model = self._fit()
+        if model is None:
+            return None
+        start = time.perf_counter()
+        eta = self._simulate(model, scheduler.running, scheduler.waiting, queued)
+        cost = time.perf_counter() - start
+        # one fit on a young or noisy record can be far off: report the median of the last three, each aged to now
+        self._recent.append((now, eta.seconds_left))
+        left = float(np.median([seconds - (now - at) for at, seconds in self._recent]))
+        eta = Eta(left, self.wall_clock() + left, eta.output_tokens_left)
+        # often while the fit is young (a quarter of the run so far), then every min_interval_s, and never so often
+        # that simulating costs more than SIM_COST_SHARE of the job
+        ran = now - self._run_start if self._run_start is not None else 0.0
+        self._interval = max(min(self.min_interval_s, 0.25 * ran), cost / SIM_COST_SHARE)
+        self._last = (now, eta)
+        return eta
+
+    def _fit(self) -> LinearModel | None:
+        if len(self.steps) < MIN_STEPS:
+            return None
+        shapes = [StepShape(t, s, c, 0) for t, s, c, _ in self.steps]
+        times = [seconds for *_, seconds in self.steps]
+        try:
+            model = fit_linear(shapes, times)
+        except (ValueError, np.linalg.LinAlgError):
+            return None
+        model.scale = sum(times) / max(sum(model.step_time(s) for s in shapes), 1e-12)
+        if self._run_steps >= MIN_STEPS and self._run_step_s > 0:
+            self.overhead = max(1.0, (self.clock() - self._run_start) / self._run_step_s)
+        return model
+
+    def _simulate(self, model: LinearModel, running, waiting, queued) -> Eta:
+        self.lengths.fit([(r.num_prompt_tokens, len(r.output_token_ids) / max(r.params.max_tokens, 1))
+                          for r in running])
+        fresh = functools.lru_cache(maxsize=None)(functools.partial(self.lengths.expected, 0))   # (max_tokens, prompt)
+        started = [WorkItem(r.num_tokens, self._left(r), r.num_computed_tokens) for r in running]
+        started += [WorkItem(r.num_tokens, self._left(r)) for r in waiting]
+        queued = [WorkItem(len(row.token_ids), fresh(row.params.max_tokens, len(row.token_ids))) for row in queued]
+        unread = max(0, self.rows_to_read - self.rows_read)
+        pending = len(queued) + unread
+        stride = max(1, math.ceil(pending / MAX_SIMULATED))
+        sample = queued[::stride] + self._unread_sample(unread, stride, fresh)
+        items = started + sample
+        if not items:
+            return Eta(0.0, self.wall_clock(), 0)
+        line = timeline(simulate(items, *self.pool), model.step_time)
+        seconds = line.makespan_s
+        if stride > 1:   # the rows left out cost what the sample cost while rows were still being admitted
+            seconds += (pending / len(sample) - 1) * (line.makespan_s - line.drain_s) * len(sample) / len(items)
+        seconds *= self.overhead
+        tokens = sum(i.output_tokens for i in started) + round(
+            sum(i.output_tokens for i in sample) * pending / max(len(sample), 1))
+        return Eta(seconds, self.wall_clock() + seconds, tokens)
+
+    def _left(self, request) -> int:
+        """Expected output tokens still to come for a request in the engine."""
+        generated = len(request.output_token_ids)
+        return self.lengths.expected(generated, request.params.max_tokens, request.num_prompt_tokens) - generated
+
+    def _unread_sample(self, count: int, stride: int, fresh) -> list[WorkItem]:
+        """Every stride-th row not read yet, as the feed will admit them: prompt lengths cycled from the rows read,
+        sorted within each window when bucketing."""
+        if not count or not self.prompt_sample:
+            return []
+        sample, window = self.prompt_sample, max(1, self.window // stride)
+        items = [WorkItem(p, fresh(m, p))
+                 for p, m in (sample[i % len(sample)] for i in range(math.ceil(count / stride)))]
+        if self.bucketing:
+            for start in range(0, len(items), window):
+                items[start:start + window] = sorted(items[start:start + window], key=lambda i: i.prompt,
+                                                     reverse=self.longest_first)
+        return items
+
+
+def parse_deadline(value, now: datetime | None = None) -> datetime:
+    """'07:00' (the next 07:00 from now, local time) or an ISO date-time -> a local datetime."""
+    now = now or datetime.now()
+    text = str(value).strip()
+    try:
+        if len(text) <= 8 and ":" in text:
+            clock = datetime.strptime(text, "%H:%M:%S" if text.count(":") == 2 else "%H:%M").time()
+            at = datetime.combine(now.date(), clock)
+            return at if at > now else at + timedelta(days=1)
+        at = datetime.fromisoformat(text)
+    except ValueError:
+        raise ValueError(f"cannot read {text!r} as a time; give a clock time such as \"07:00\" (the next one) or a "
+                         f"date-time such as \"2030-01-31T06:00\"") from None
+    return at.astimezone().replace(tzinfo=None) if at.tzinfo else at
+
+
+def clock_text(at: datetime, now: datetime) -> str:
+    return at.strftime("%H:%M" if at.date() == now.date() else "%a %H:%M")
+
+
+def duration_text(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f}s"
+    minutes = round(seconds / 60)
+    return f"{minutes // 60}h{minutes % 60:02d}" if minutes >= 60 else f"{minutes} min"
+
+
+def deadline_verdict(finish_at: float, deadline: datetime, job_path: str) -> tuple[bool, str]:
+    """(on track, a line for the log)."""
+    now = datetime.now()
+    predicted = datetime.fromtimestamp(finish_at)
+    if predicted <= deadline:
+        return True, f"on track: predicted {clock_text(predicted, now)}, deadline {clock_text(deadline, now)}"
+    late = (predicted - deadline).total_seconds()
+    return False, (f"late by ~{duration_text(late)} at this rate (deadline {clock_text(deadline, now)}): "
+                   f"`batchrun plan {job_path} --deadline {deadline.isoformat(timespec='minutes')}` suggests the "
+                   f"GPUs that finish in time")

@@ -1,0 +1,101 @@
+"""How good is a running job's time left? The sample job run whole, its ETA recorded every --every seconds.
+
+    python bench/eta_accuracy.py [--job jobs/demo.yaml] [--every 10] [--json out.json]
+
+Runs the job twice into fresh temporary output directories: bucketing with shortest prompts first (the default),
+then longest first. Beside the job's own estimate (job/eta.py: the work left simulated with the step-time model
+fitted on the job's own steps) it records the row-count estimate the progress line used before (rows left / rows
+per second so far). Reports the error of each against the time that was really left, at 10, 25, 50 and 75 % of
+the run's stepping wall time (from its first engine step to its end; model load not counted). Goal (issue 18):
+within +-15 % from 25 % on in both orders, +-30 % at 10 %.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import tempfile
+import time
+
+import batchrun.job.progress as progress_module
+from batchrun.cpuinfo import cpu_model
+from batchrun.job import Job
+
+POINTS = (0.10, 0.25, 0.50, 0.75)
+
+
+def run_recorded(job: str, order: dict, every: float) -> dict:
+    """Run the job, recording (seconds since its first step, job ETA, row-count ETA, rows done) every `every`
+    seconds. Model load and compilation come before the first step and are not counted."""
+    records, real_tick = [], progress_module.Progress.tick
+    start, last = None, [-every]
+
+    def tick(self, engine, queued):
+        nonlocal start
+        due = real_tick(self, engine, queued)
+        now = time.monotonic()
+        start = start if start is not None else now
+        if now - last[0] >= every:
+            last[0] = now
+            rows = self.done - self.done_at_start
+            rate = rows / max(now - self.start, 1e-9)
+            records.append((now - start, self.eta.seconds_left if self.eta else None,
+                            (self.total - self.done) / rate if rows else None, self.done))
+        return due
+
+    progress_module.Progress.tick = tick
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            result = Job.from_yaml(job, [f"output.path={out}/run", "output.log_every_s=60",
+                                         *(f"batching.{k}={str(v).lower()}" for k, v in order.items())]).run(
+                progress="log")
+    finally:
+        progress_module.Progress.tick = real_tick
+    wall = time.monotonic() - start
+    return {"wall_s": round(wall, 1), "rows": result.summary["rows_this_run"], "records": records,
+            "errors": errors_at(records, wall)}
+
+
+def errors_at(records: list, wall: float) -> dict:
+    """% error of each estimate against the time really left, at each point of the wall time (the last record
+    at or before it)."""
+    out = {}
+    for point in POINTS:
+        before = [r for r in records if r[0] <= point * wall]
+        if not before:
+            continue
+        t, job_eta, row_eta, done = before[-1]
+        left = wall - t
+        out[f"{round(point * 100)}%"] = {
+            "at_s": round(t, 1), "rows_done": done, "actual_left_s": round(left, 1),
+            "job_eta_s": None if job_eta is None else round(job_eta, 1),
+            "job_error_pct": None if job_eta is None else round(100 * (job_eta - left) / left, 1),
+            "row_eta_s": None if row_eta is None else round(row_eta, 1),
+            "row_error_pct": None if row_eta is None else round(100 * (row_eta - left) / left, 1)}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--job", default="jobs/demo.yaml")
+    parser.add_argument("--every", type=float, default=10.0)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    result = {"cpu": cpu_model() or platform.processor(), "job": args.job, "runs": {}}
+    for name, order in (("shortest_first", {"bucketing": True, "longest_first": False}),
+                        ("longest_first", {"bucketing": True, "longest_first": True})):
+        run = run_recorded(args.job, order, args.every)
+        result["runs"][name] = run
+        print(f"{name}: {run['rows']} rows in {run['wall_s']} s ({result['cpu']})")
+        print(f"  {'point':>5} {'at s':>7} {'rows':>5} {'left s':>7} {'job ETA':>8} {'error':>7} {'row ETA':>8} "
+              f"{'error':>7}")
+        for point, e in run["errors"].items():
+            print(f"  {point:>5} {e['at_s']:>7} {e['rows_done']:>5} {e['actual_left_s']:>7} {e['job_eta_s']!s:>8} "
+                  f"{e['job_error_pct']!s:>6}% {e['row_eta_s']!s:>8} {e['row_error_pct']!s:>6}%")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""The job's time left: from the work left (simulated over the real scheduler with the step-time model fitted on
+the job's own steps), not from the rows left; deadline verdicts; the figures in summary.json, metrics.prom and
+status while running; a resumed run's estimate starts from the saved steps."""
+from datetime import datetime, timedelta
+
+import pytest
+
+import batchrun.job.progress as progress_module
+from batchrun.engine.request import Request
+from batchrun.job import Job, JobError, JobSpec
+from batchrun.job.eta import EtaEstimator, OutputLengths, deadline_verdict, parse_deadline
+from batchrun.planner.simulate import fake_forward, make_scheduler
+from batchrun.sampling_params import SamplingParams
+from jobkit import write_job, write_prompts
+
+POOL = dict(num_blocks=400, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, prefix_caching=False)
+
+
+def step_seconds(tokens: int, context: int) -> float:
+    """The synthetic machine: a known linear step time (what the fit should recover)."""
+    return 0.01 + 0.001 * tokens + 2e-5 * context
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class SyntheticJob:
+    """Requests stepped through the real scheduler on the synthetic step time, observed as the runner does."""
+
+    def __init__(self, outputs: list[int], prompt_lens: list[int], saved: dict | None = None):
+        self.clock = FakeClock()
+        self.scheduler = make_scheduler(POOL["num_blocks"], POOL["block_size"], POOL["max_num_seqs"],
+                                        POOL["max_num_batched_tokens"], False)
+        for i, (out, n) in enumerate(zip(outputs, prompt_lens)):
+            self.scheduler.add(Request(str(i), [5 + (i + j) % 200 for j in range(n)],
+                                       SamplingParams(max_tokens=out, temperature=0), arrival_index=i))
+        self.eta = EtaEstimator(**POOL, rows_to_read=0, window=8192, bucketing=False, longest_first=False,
+                                saved=saved, clock=self.clock, wall_clock=self.clock, min_interval_s=0)
+        self.total, self.done = len(outputs), 0
+
+    def step(self) -> None:
+        plan = self.scheduler.schedule()
+        context = sum(r.num_computed_tokens + n for r, n in plan.scheduled)
+        seconds = step_seconds(plan.num_tokens, context)
+        self.clock.t += seconds
+        self.eta.observe_step(plan.num_tokens, len(plan.scheduled), context, seconds)
+        for request in fake_forward(self.scheduler, plan):
+            self.done += 1
+            self.eta.observe_finished(len(request.output_token_ids), request.params.max_tokens,
+                                      request.num_prompt_tokens)
+
+    def run_until(self, rows: int) -> None:
+        while self.done < rows:
+            self.step()
+
+    def time_to_finish(self) -> float:
+        start = self.clock.t
+        while self.scheduler.has_unfinished():
+            self.step()
+        return self.clock.t - start
+
+
+def test_short_rows_first_do_not_fool_the_estimate():
+    # 50 one-token rows and 5 rows of 150 tokens among them: at half the rows, nearly all the work is left
+    outputs = [150 if i % 11 == 0 else 1 for i in range(55)]
+    job = SyntheticJob(outputs, [6 + i % 9 for i in range(55)])
+    job.run_until(28)
+    elapsed = job.clock.t - 1000.0
+    eta = job.eta.estimate(job.scheduler, [])
+    row_count_eta = (job.total - job.done) / (job.done / elapsed)
+    actual = job.time_to_finish()
+    assert eta is not None and abs(eta.seconds_left - actual) / actual < 0.15, (eta, actual)
+    assert row_count_eta < 0.5 * actual   # what the rows-left estimate said
+
+
+def test_the_estimate_falls_as_work_is_done():
+    job = SyntheticJob([20 + (i * 7) % 40 for i in range(40)], [4 + (i * 5) % 30 for i in range(40)])
+    estimates = []
+    for rows in (10, 20, 30, 38):
+        job.run_until(rows)
+        estimates.append(job.eta.estimate(job.scheduler, []).seconds_left)
+    assert estimates == sorted(estimates, reverse=True) and estimates[-1] < 0.25 * estimates[0], estimates
+
+
+def test_a_resumed_estimator_starts_from_the_saved_steps():
+    first = SyntheticJob([30] * 12, [10] * 12)
+    first.run_until(4)
+    resumed = SyntheticJob([30] * 12, [10] * 12, saved=first.eta.state())
+    assert resumed.eta.estimate(resumed.scheduler, []) is not None           # before any step of its own
+    assert SyntheticJob([30] * 12, [10] * 12).eta.estimate(resumed.scheduler, []) is None
+
+
+def test_output_lengths_count_running_rows_as_lower_bounds():
+    lengths = OutputLengths()
+    assert lengths.expected(0, 100, 10) == 100                  # nothing observed yet: max_tokens
+    lengths = OutputLengths([(10, 0.1)] * 9)
+    lengths.fit(running=[(10, 0.5)])                            # one row still running past half its max_tokens
+    assert lengths.expected(0, 100, 10) == 19                   # 0.9 x 10 + 0.1 x 100 (the unseen tail at max)
+    assert lengths.expected(60, 100, 10) == 100
+    lengths.fit(running=[])
+    assert lengths.expected(0, 100, 10) == 10 and lengths.expected(10, 100, 10) == 100
+
+
+def test_output_lengths_are_read_by_prompt_length_where_enough_rows_finished():
+    # questions (short prompts) stop at a tenth of max_tokens, articles (long prompts) run to it
+    lengths = OutputLengths([(8, 0.1)] * 40 + [(900, 1.0)] * 40)
+    lengths.fit(running=[])
+    assert lengths.expected(0, 100, 9) == 10 and lengths.expected(0, 100, 1000) == 100
+    assert lengths.expected(0, 100, 60) == 55                   # a class with too few rows: all rows together
+
+
+def test_deadline_verdict_flips_when_the_predicted_finish_passes_it():
+    deadline = datetime.now() + timedelta(hours=2)
+    on_track, line = deadline_verdict((deadline - timedelta(minutes=30)).timestamp(), deadline, "job.yaml")
+    assert on_track and line.startswith("on track: predicted")
+    late, line = deadline_verdict((deadline + timedelta(minutes=40)).timestamp(), deadline, "job.yaml")
+    assert not late and line.startswith("late by ~40 min") and "batchrun plan job.yaml --deadline" in line
+
+
+def test_deadline_values():
+    now = datetime(2030, 1, 31, 22, 0)
+    assert parse_deadline("07:00", now) == datetime(2030, 2, 1, 7, 0)      # the next 07:00
+    assert parse_deadline("23:30", now) == datetime(2030, 1, 31, 23, 30)
+    assert parse_deadline("2030-02-02T06:00", now) == datetime(2030, 2, 2, 6, 0)
+
+
+@pytest.mark.parametrize("value, message", [("tomorrow", "cannot read 'tomorrow' as a time"),
+                                            (420, 'write the time in quotes, e.g. deadline: "07:00"'),
+                                            ([7], "deadline")])
+def test_a_bad_deadline_is_an_error_naming_the_field(value, message):
+    raw = {"input": {"path": "in.parquet"}, "output": {"path": "out"}, "deadline": value}
+    with pytest.raises(JobError, match="deadline") as info:
+        JobSpec(raw)
+    assert message in str(info.value)
+
+
+def test_a_running_job_reports_its_estimate(tmp_path, tiny_model, monkeypatch):
+    write_prompts(tmp_path / "in.parquet", 40)
+    job = write_job(tmp_path, tiny_model[0], output={"log_every_s": 0.3}, sampling={"max_tokens": 12},
+                    deadline=(datetime.now() + timedelta(hours=3)).isoformat(timespec="minutes"))
+    seen, real_tick = [], progress_module.Progress.tick
+
+    def tick(self, engine, queued):
+        due = real_tick(self, engine, queued)
+        if due and self.eta is not None:   # the summary written at the report before this one
+            seen.append(Job.from_yaml(job).status())
+        return due
+
+    monkeypatch.setattr(progress_module.Progress, "tick", tick)
+    result = Job.from_yaml(job).run(progress="log")
+    estimated = [status for status in seen if status.get("eta_seconds")]
+    assert estimated, "no estimate while the job ran"
+    status = estimated[0]
+    assert status["state"] == "running" and status["eta_seconds"] > 0 and status["on_track"] is True
+    assert status["predicted_finish_timestamp"] > datetime.now().timestamp() - 60
+    assert result.summary["status"] == "done" and result.summary["eta_seconds"] == 0
+    out = tmp_path / "out" / "job"
+    metrics = (out / "metrics.prom").read_text()
+    assert 'batchrun_job_eta_seconds{job="job"} 0.0' in metrics and "batchrun_job_predicted_finish_timestamp" in metrics
+    assert 'batchrun_job_on_track{job="job"} 1.0' in metrics
+    saved = (out / "eta_state.json").read_text()
+    assert '"steps"' in saved and '"output_fractions"' in saved
