@@ -6,7 +6,8 @@ start without importing torch's compiler stack.
 import importlib
 
 _PUBLIC = {"LLM": "batchrun.engine.llm", "SamplingParams": "batchrun.sampling_params",
-           "EngineConfig": "batchrun.config", "RequestOutput": "batchrun.engine.request", "Job": "batchrun.job"}
+           "EngineConfig": "batchrun.config", "RequestOutput": "batchrun.engine.request", "Job": "batchrun.job",
+           "plan": "batchrun.planner.api"}
 __all__ = list(_PUBLIC)
 
 

@@ -210,7 +210,8 @@ def plan(job, overrides, gpus, kv_dtypes, deadline, prices, catalog, model_confi
          tpot_p95, headroom, plot_path, as_json) -> None:
     from batchrun.job import JobError
     from batchrun.job.spec import JobSpec
-    from batchrun.planner import catalog as cat, mixed, plan as planner, workload
+    from batchrun.planner import api as planner_api, catalog as cat, mixed
+    from batchrun.planner.plan import format_table
     try:
         traffic = None if interactive_rate is None else mixed.Traffic(
             interactive_rate, interactive_prompt_tokens, interactive_output_tokens,
@@ -223,19 +224,14 @@ def plan(job, overrides, gpus, kv_dtypes, deadline, prices, catalog, model_confi
             from batchrun.planner.plot import require_matplotlib
             require_matplotlib()
         spec = JobSpec.from_yaml(job, list(overrides))
-        model = workload.read_model_config(model_config or spec.model, spec.engine.trust_remote_code,
-                                           "--model-config" if model_config else "model")
-        work = workload.load_workload(spec, model, max_num_seqs)
+        chosen = cat.select(cat.load_catalog(catalog), list(gpus), cat.parse_prices(prices))
+        the_planner = planner_api.make_planner(spec, (), None if calibrate else deadline, model_config,
+                                               utilization, max_num_seqs)
         if calibrate:
             from batchrun.planner.calibrate import calibrate as run_calibration
-            report = run_calibration(spec, work, pilot_fraction)
+            report = run_calibration(spec, the_planner.work, pilot_fraction)
         else:
-            seconds = planner.parse_deadline(deadline) if deadline else None
-            chosen = cat.select(cat.load_catalog(catalog), list(gpus), cat.parse_prices(prices))
-            for d in kv_dtypes:
-                planner.kv_bytes_per_token(model, d)
-            the_planner = planner.Planner(model, work, utilization, seconds)
-            report = the_planner.plan(chosen, tuple(kv_dtypes) or planner.DEFAULT_KV_DTYPES, traffic)
+            report = planner_api.run_plan(the_planner, chosen, kv_dtypes, traffic)
             if plot_path:
                 from batchrun.planner.plot import draw
                 draw(the_planner, report, chosen, plot_path)
@@ -247,7 +243,7 @@ def plan(job, overrides, gpus, kv_dtypes, deadline, prices, catalog, model_confi
     if as_json or calibrate:
         click.echo(json.dumps(report, indent=2))
     else:
-        click.echo(planner.format_table(report))
+        click.echo(format_table(report))
 
 
 @main.command(help="Show JOB's progress from its output directory: done, failed, remaining.")

@@ -179,7 +179,12 @@ class LLM:
         ids = []
         for prompt, p in zip(prompts, params):
             ids.append(self.engine.add_request(self.encode(prompt), p, lane=lane, priority=priority).request_id)
-        results = self._run_until_done(set(ids), use_tqdm)
+        try:
+            results = self._run_until_done(set(ids), use_tqdm)
+        except KeyboardInterrupt:   # Ctrl-C (a kernel interrupt): free this call's requests, keep the engine usable
+            for request_id in ids:
+                self.engine.abort(request_id)
+            raise
         return [results[i] for i in ids]
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],

@@ -1,33 +1,55 @@
 """Python entry point: `Job.from_yaml(path).run()` returns a JobResult that reads as a pyarrow Table."""
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pyarrow as pa
 
-from batchrun.job.report import counts, read_state
+from batchrun.job.prepare import open_source
+from batchrun.job.report import ESTIMATE_FIELDS, counts, read_state, read_summary
 from batchrun.job.runner import JobRunner
 from batchrun.job.sink import JobLock, ShardStore
 from batchrun.job.spec import JobSpec
 
 
 class JobResult:
-    def __init__(self, output_dir: str, summary: dict):
-        self.output_dir, self.summary = output_dir, summary
+    def __init__(self, output_dir: str, summary: dict, spec: JobSpec | None = None):
+        self.output_dir, self.summary, self.spec = output_dir, summary, spec
         self.exit_code = summary["exit_code"]
+        self.status = summary.get("status", "done")   # "done", or "interrupted": run the job again to resume
 
-    def table(self, input_order: bool = True) -> pa.Table:
-        """All result rows (every run of the job), by default in input order."""
+    def table(self, input_order: bool = True, with_input: bool = False) -> pa.Table:
+        """All result rows (every run of the job), by default in input order. with_input: the input's columns
+        joined on (those the result also has are prefixed 'input_')."""
         table = ShardStore(self.output_dir).read()
+        if table is None:
+            table = pa.table({"row_index": pa.array([], pa.int64())})
+        if with_input:
+            if self.spec is None:
+                raise ValueError("with_input: this result does not know its job; use Job.run()'s result")
+            inputs = open_source(self.spec).input_table()
+            aligned = inputs.take(table["row_index"])   # row_index is the input position: no join needed
+            for name in inputs.column_names:
+                if name != "row_index":
+                    table = table.append_column(f"input_{name}" if name in table.column_names else name,
+                                                aligned[name])
         return table.sort_by("row_index") if input_order else table
 
-    def to_pandas(self, input_order: bool = True):
-        return self.table(input_order).to_pandas()
+    def to_pandas(self, input_order: bool = True, with_input: bool = False):
+        """A pandas DataFrame (needs pandas: pip install 'batchrun[notebook]')."""
+        if importlib.util.find_spec("pandas") is None:   # pyarrow's own error would not say where it comes from
+            raise ImportError("JobResult.to_pandas() needs pandas: pip install 'batchrun[notebook]' (or pandas); "
+                              "without it, .table() gives the results as a pyarrow Table")
+        return self.table(input_order, with_input).to_pandas()
 
     def __repr__(self) -> str:
         s = self.summary
-        return (f"JobResult({self.output_dir!r}, ok={s['rows_ok']}, failed={s['rows_failed']}, "
+        text = (f"JobResult({self.output_dir!r}, status={self.status!r}, ok={s['rows_ok']}, failed={s['rows_failed']}, "
                 f"remaining={s['rows_remaining']}, exit_code={self.exit_code})")
+        if self.status == "interrupted":
+            text += "; finished rows are saved: run the job again (Job.run()) to resume, each row runs once"
+        return text
 
 
 class Job:
@@ -50,7 +72,7 @@ class Job:
     def run(self, restart: bool = False, progress: str = "auto", serve=None) -> JobResult:
         """Run to completion or resume; progress: auto (bar on a terminal), bar, or log. serve: an optional
         llm -> context manager that serves HTTP on the job's engine (batchrun.server.ServeBesideJob)."""
-        return JobResult(*JobRunner(self.spec, restart, progress, serve).run())
+        return JobResult(*JobRunner(self.spec, restart, progress, serve).run(), spec=self.spec)
 
     def validate(self) -> dict:
         from batchrun.job.validate import validate
@@ -64,5 +86,9 @@ class Job:
             return {"state": "not started", "output": out}
         running = JobLock.held(out)
         c = counts(out)
-        return {"state": "running" if running else "done" if c["rows_remaining"] == 0 else "stopped",
-                "output": out, "identity": state["identity"], **c}
+        status = {"state": "running" if running else "done" if c["rows_remaining"] == 0 else "stopped",
+                  "output": out, "identity": state["identity"], **c}
+        if running:   # the running job's latest estimate (summary.json is refreshed every output.log_every_s)
+            summary = read_summary(out) or {}
+            status.update({k: summary.get(k) for k in ESTIMATE_FIELDS if k in summary})
+        return status

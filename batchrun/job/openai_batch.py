@@ -50,6 +50,14 @@ class OpenAIBatchSource:
                         left -= 1
                     yield path, number, line
 
+    def input_table(self) -> pa.Table:
+        """The requests as they are in the files: custom_id, the request line (JSON text) and its row_index."""
+        ids, lines = [], []
+        for path, number, line in self._lines():
+            ids.append(_parse(path, number, line)[0])
+            lines.append(line.decode("utf-8", errors="replace").strip())
+        return pa.table({"custom_id": ids, "request": lines, "row_index": list(range(len(ids)))})
+
     def scan_ids(self) -> Iterator[tuple[str, int, Any]]:
         """(file, line number, custom_id) in input order."""
         for path, number, line in self._lines():

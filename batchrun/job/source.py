@@ -141,6 +141,13 @@ class ParquetSource:
         schema = self._open(self.files[0]).schema_arrow
         return [schema.field(c) for c in self.inp.passthrough]
 
+    def input_table(self) -> pa.Table:
+        """Every input column, in input order up to input.limit, with each row's row_index."""
+        table = pa.concat_tables([self._open(path).read() for path in self.files], promote_options="default")
+        if self.inp.limit is not None:
+            table = table.slice(0, self.inp.limit)
+        return table.append_column("row_index", pa.array(range(table.num_rows), pa.int64()))
+
     def scan_ids(self) -> Iterator[tuple[str, int, Any]]:
         """(file, row in that file, id) in input order (only the id column is read), up to input.limit."""
         left = self.inp.limit

@@ -1,0 +1,33 @@
+"""`batchrun.plan(job)`: the capacity plan from Python (notebooks), the same as `batchrun plan JOB --json`."""
+from __future__ import annotations
+
+from batchrun.job.spec import JobSpec
+from batchrun.planner import catalog as cat, plan as planner, workload
+
+
+def make_planner(job: str | JobSpec, overrides=(), deadline: str | None = None, model_config: str | None = None,
+                 utilization: float = 0.9, max_num_seqs: int | None = None) -> planner.Planner:
+    spec = job if isinstance(job, JobSpec) else JobSpec.from_yaml(job, list(overrides))
+    model = workload.read_model_config(model_config or spec.model, spec.engine.trust_remote_code,
+                                       "--model-config" if model_config else "model")
+    work = workload.load_workload(spec, model, max_num_seqs)
+    seconds = planner.parse_deadline(deadline) if deadline else None
+    return planner.Planner(model, work, utilization, seconds)
+
+
+def plan(job: str | JobSpec, gpus=(), kv_dtypes=(), deadline: str | None = None, prices: dict | None = None,
+         catalog: str | None = None, model_config: str | None = None, utilization: float = 0.9,
+         max_num_seqs: int | None = None, overrides=()) -> dict:
+    """Per GPU type x KV dtype: KV capacity, predicted makespan, GPUs to meet the deadline, GPU-hours and cost, and
+    a recommendation. job: a job file (or a JobSpec); gpus: catalog names (default all); kv_dtypes: default
+    float16, int8, fp8; deadline: '6h', '90m' or a date-time; prices: {gpu: USD per hour}. The report's "rows"
+    make a table: pandas.DataFrame(report["rows"])."""
+    chosen = cat.select(cat.load_catalog(catalog), list(gpus), prices or {})
+    return run_plan(make_planner(job, overrides, deadline, model_config, utilization, max_num_seqs), chosen,
+                    kv_dtypes)
+
+
+def run_plan(the_planner: planner.Planner, chosen: list[cat.GPU], kv_dtypes=(), traffic=None) -> dict:
+    for dtype in kv_dtypes:
+        planner.kv_bytes_per_token(the_planner.model, dtype)   # an unknown dtype: a clear error first
+    return the_planner.plan(chosen, tuple(kv_dtypes) or planner.DEFAULT_KV_DTYPES, traffic)
