@@ -140,22 +140,23 @@ def test_a_bad_deadline_is_an_error_naming_the_field(value, message):
 
 
 def test_a_running_job_reports_its_estimate(tmp_path, tiny_model, monkeypatch):
-    write_prompts(tmp_path / "in.parquet", 40)
-    job = write_job(tmp_path, tiny_model[0], output={"log_every_s": 0.3}, sampling={"max_tokens": 12},
+    write_prompts(tmp_path / "in.parquet", 20)
+    job = write_job(tmp_path, tiny_model[0], output={"log_every_s": 0.05}, sampling={"max_tokens": 12},
                     deadline=(datetime.now() + timedelta(hours=3)).isoformat(timespec="minutes"))
-    seen, real_tick = [], progress_module.Progress.tick
+    seen, estimated_ticks, real_tick = [], [], progress_module.Progress.tick
 
     def tick(self, engine, queued):
         due = real_tick(self, engine, queued)
-        if due and self.eta is not None:   # the summary written at the report before this one
-            seen.append(Job.from_yaml(job).status())
+        if due and self.eta is not None:
+            estimated_ticks.append(1)
+            if len(estimated_ticks) == 2:   # the summary written at the first report with an estimate
+                seen.append(Job.from_yaml(job).status())
         return due
 
     monkeypatch.setattr(progress_module.Progress, "tick", tick)
     result = Job.from_yaml(job).run(progress="log")
-    estimated = [status for status in seen if status.get("eta_seconds")]
-    assert estimated, "no estimate while the job ran"
-    status = estimated[0]
+    assert seen, "the job ended before its second report with an estimate"
+    status = seen[0]
     assert status["state"] == "running" and status["eta_seconds"] > 0 and status["on_track"] is True
     assert status["predicted_finish_timestamp"] > datetime.now().timestamp() - 60
     assert result.summary["status"] == "done" and result.summary["eta_seconds"] == 0
