@@ -7,7 +7,7 @@ import os
 import pyarrow as pa
 
 from batchrun.job.prepare import open_source
-from batchrun.job.report import ESTIMATE_FIELDS, counts, read_state, read_summary
+from batchrun.job.report import ESTIMATE_FIELDS, counts, read_json, read_state
 from batchrun.job.runner import JobRunner
 from batchrun.job.sink import JobLock, ShardStore
 from batchrun.job.spec import JobSpec
@@ -45,8 +45,8 @@ class JobResult:
 
     def __repr__(self) -> str:
         s = self.summary
-        text = (f"JobResult({self.output_dir!r}, status={self.status!r}, ok={s['rows_ok']}, failed={s['rows_failed']}, "
-                f"remaining={s['rows_remaining']}, exit_code={self.exit_code})")
+        text = (f"JobResult({self.output_dir!r}, status={self.status!r}, ok={s['rows_ok']}, "
+                f"failed={s['rows_failed']}, remaining={s['rows_remaining']}, exit_code={self.exit_code})")
         if self.status == "interrupted":
             text += "; finished rows are saved: run the job again (Job.run()) to resume, each row runs once"
         return text
@@ -70,8 +70,10 @@ class Job:
         return self.spec.resolve(self.spec.output.path)
 
     def run(self, restart: bool = False, progress: str = "auto", serve=None) -> JobResult:
-        """Run to completion or resume; progress: auto (bar on a terminal), bar, or log. serve: an optional
-        llm -> context manager that serves HTTP on the job's engine (batchrun.server.ServeBesideJob)."""
+        """Run to completion or resume; progress: auto (a bar on a terminal or in Jupyter), bar, or log. An interrupt
+        (Ctrl-C, a kernel interrupt, SIGTERM) stops admission and saves the finished rows: the result's status is
+        then "interrupted", and running again resumes. serve: an optional llm -> context manager that serves HTTP on
+        the job's engine (batchrun.server.ServeBesideJob)."""
         return JobResult(*JobRunner(self.spec, restart, progress, serve).run(), spec=self.spec)
 
     def validate(self) -> dict:
@@ -89,6 +91,6 @@ class Job:
         status = {"state": "running" if running else "done" if c["rows_remaining"] == 0 else "stopped",
                   "output": out, "identity": state["identity"], **c}
         if running:   # the running job's latest estimate (summary.json is refreshed every output.log_every_s)
-            summary = read_summary(out) or {}
+            summary = read_json(out, "summary.json") or {}
             status.update({k: summary.get(k) for k in ESTIMATE_FIELDS if k in summary})
         return status

@@ -49,18 +49,10 @@ def counts(out_dir: str) -> dict:
     return c
 
 
-def read_summary(out_dir: str) -> dict | None:
+def read_json(out_dir: str, name: str) -> dict | None:
+    """A JSON file the job writes (summary.json, eta_state.json); None when missing or unreadable."""
     try:
-        with open(os.path.join(out_dir, "summary.json")) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def read_eta_state(out_dir: str) -> dict | None:
-    """The step records and output lengths an earlier run saved for the ETA (None: none, or unreadable)."""
-    try:
-        with open(os.path.join(out_dir, ETA_STATE)) as f:
+        with open(os.path.join(out_dir, name)) as f:
             return json.load(f)
     except (OSError, ValueError):
         return None
@@ -107,7 +99,8 @@ def write_metrics(path: str, s: dict) -> None:
          [({}, s.get("predicted_finish_timestamp"))]),
         ("batchrun_job_on_track", "1 when the predicted finish is before the job's deadline, else 0 (NaN without "
                                   "a deadline or an estimate).", [({}, s.get("on_track"))]),
-        ("batchrun_job_last_run_timestamp_seconds", "When the last run ended.", [({}, time.time())]),
+        ("batchrun_job_last_run_timestamp_seconds", "When this was written: the last run's end, or its last report "
+                                                    "while it runs.", [({}, time.time())]),
     ]
     for name, help_text, samples in metrics:
         gauge = Gauge(name, help_text, ["job", *samples[0][0]], registry=registry)

@@ -100,7 +100,7 @@ class JobRunner:
                            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                            prefix_caching=config.enable_prefix_caching, rows_to_read=total - len(done),
                            window=batching.window, bucketing=batching.bucketing,
-                           longest_first=batching.longest_first, saved=report.read_eta_state(out_dir))
+                           longest_first=batching.longest_first, saved=report.read_json(out_dir, report.ETA_STATE))
         feed = RowFeed(source.batches(min(1024, batching.window)), encoder.prepare, batching.window,
                        batching.bucketing, done, batching.longest_first, observe=eta.observe_rows)
         in_flight_cap = config.max_num_seqs + (batching.max_waiting or 4 * config.max_num_seqs)
