@@ -4,6 +4,7 @@ status while running; a resumed run's estimate starts from the saved steps."""
 from datetime import datetime, timedelta
 
 import pytest
+import yaml
 
 import batchrun.job.progress as progress_module
 from batchrun.engine.request import Request
@@ -127,6 +128,9 @@ def test_deadline_values():
     assert parse_deadline("07:00", now) == datetime(2030, 2, 1, 7, 0)      # the next 07:00
     assert parse_deadline("23:30", now) == datetime(2030, 1, 31, 23, 30)
     assert parse_deadline("2030-02-02T06:00", now) == datetime(2030, 2, 2, 6, 0)
+    raw = {"input": {"path": "in.parquet"}, "output": {"path": "out"}}
+    unquoted = yaml.safe_load("deadline: 2030-02-02T06:00:00")["deadline"]   # YAML's own timestamp
+    assert JobSpec({**raw, "deadline": unquoted}).deadline_at == datetime(2030, 2, 2, 6, 0)
 
 
 @pytest.mark.parametrize("value, message", [("tomorrow", "cannot read 'tomorrow' as a time"),

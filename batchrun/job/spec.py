@@ -121,7 +121,8 @@ class JobModel(Section):
     """A batchrun job file."""
     name: Optional[str] = None
     model: str = EngineConfig.model
-    deadline: Optional[str | int] = Field(None, description='"07:00" (the next 07:00) or a date-time '
+    # datetime: YAML reads an unquoted 2030-01-31T06:00:00 as one
+    deadline: Optional[str | int | datetime] = Field(None, description='"07:00" (the next 07:00) or a date-time '
                                                              '"2030-01-31T06:00": the progress says whether the job is '
                                                              'on track for it')
     input: InputSection
@@ -139,7 +140,7 @@ def json_schema() -> dict:
 class JobSpec:
     name: str | None
     model: str
-    deadline: str | int | None
+    deadline: str | int | datetime | None
     deadline_at: datetime | None   # the deadline as a local time, read when the job file is
     input: InputSection
     output: OutputSection
