@@ -170,3 +170,18 @@ def test_a_running_job_reports_its_estimate(tmp_path, tiny_model, monkeypatch):
     assert 'batchrun_job_on_track{job="job"} 1.0' in metrics
     saved = (out / "eta_state.json").read_text()
     assert '"steps"' in saved and '"output_fractions"' in saved
+
+
+def test_a_failing_simulation_never_stops_the_job(monkeypatch):
+    import batchrun.job.eta as eta_module
+    job = SyntheticJob([30] * 12, [10] * 12)
+    job.run_until(4)
+    before = job.eta.estimate(job.scheduler, [])
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("simulation: the scheduler planned no work")
+
+    monkeypatch.setattr(eta_module, "simulate", fail)
+    job.clock.t += 100
+    after = job.eta.estimate(job.scheduler, [])   # the last estimate, counted down; no exception
+    assert after.seconds_left == max(0.0, before.seconds_left - 100)

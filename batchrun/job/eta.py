@@ -10,6 +10,7 @@ running ones as lower bounds (Kaplan-Meier), since outputs stop early and short 
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import random
 import time
@@ -22,6 +23,7 @@ import numpy as np
 from batchrun.planner.costmodel import LinearModel, StepShape, fit_linear
 from batchrun.planner.simulate import WorkItem, simulate, timeline
 
+log = logging.getLogger("batchrun.job")
 WARMUP_STEPS = 2          # a run's first steps pay one-off costs (allocation, compilation): not fitted
 MIN_STEPS = 12            # steps needed before the first fit
 KEEP = 4096               # recent steps and finished lengths kept (and saved for a resumed run)
@@ -106,7 +108,8 @@ class EtaEstimator:
         self._run_start: float | None = None
         self._last: tuple[float, Eta] | None = None          # (clock at the simulation, its estimate)
         self._recent: deque[tuple[float, float]] = deque(maxlen=3)   # (clock, seconds left) of the last simulations
-        self._interval = min_interval_s
+        self._next_simulation = 0.0                          # clock time of the next simulation
+        self._warned = False
 
     # -- observations ------------------------------------------------------------------------------------------
     def observe_rows(self, rows) -> None:
@@ -142,26 +145,36 @@ class EtaEstimator:
         """From the engine's scheduler (its running and waiting requests) and the rows read but not admitted; None
         before the first fit. Re-simulates when the last simulation is old enough; otherwise counts down from it."""
         now = self.clock()
-        if self._last is not None and now - self._last[0] < self._interval:
-            at, eta = self._last
-            left = max(0.0, eta.seconds_left - (now - at))
-            return Eta(left, eta.finish_at, eta.output_tokens_left)
+        if now >= self._next_simulation:
+            self._resimulate(now, scheduler, queued)
+        if self._last is None:
+            return None
+        at, eta = self._last
+        left = max(0.0, eta.seconds_left - (now - at))
+        return Eta(left, eta.finish_at, eta.output_tokens_left)
+
+    def _resimulate(self, now: float, scheduler, queued) -> None:
         model = self._fit()
         if model is None:
-            return None
+            return
         start = time.perf_counter()
-        eta = self._simulate(model, scheduler.running, scheduler.waiting, queued)
+        try:
+            eta = self._simulate(model, scheduler.running, scheduler.waiting, queued)
+        except RuntimeError as exc:   # e.g. a simulated request the pool cannot hold: the estimate is advisory
+            if not self._warned:
+                log.warning("time left: the simulation failed (%s); the estimate is not updated", exc)
+                self._warned = True
+            self._next_simulation = now + self.min_interval_s
+            return
         cost = time.perf_counter() - start
         # one fit on a young or noisy record can be far off: report the median of the last three, each aged to now
         self._recent.append((now, eta.seconds_left))
         left = float(np.median([seconds - (now - at) for at, seconds in self._recent]))
-        eta = Eta(left, self.wall_clock() + left, eta.output_tokens_left)
+        self._last = (now, Eta(left, self.wall_clock() + left, eta.output_tokens_left))
         # often while the fit is young (a quarter of the run so far), then every min_interval_s, and never so often
         # that simulating costs more than SIM_COST_SHARE of the job
         ran = now - self._run_start if self._run_start is not None else 0.0
-        self._interval = max(min(self.min_interval_s, 0.25 * ran), cost / SIM_COST_SHARE)
-        self._last = (now, eta)
-        return eta
+        self._next_simulation = now + max(min(self.min_interval_s, 0.25 * ran), cost / SIM_COST_SHARE)
 
     def _fit(self) -> LinearModel | None:
         if len(self.steps) < MIN_STEPS:
