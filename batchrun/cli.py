@@ -45,7 +45,8 @@ def _serve_beside(address: str, api_key: str | None, model_name: str):
 
 _PROGRESS = click.option("--progress", type=click.Choice(["auto", "bar", "log"]), default="auto", show_default=True,
                          help="auto: a bar on a terminal, log lines otherwise.")
-_RESTART = click.option("--restart", is_flag=True, help="Discard the results of a different job in the output directory.")
+_RESTART = click.option("--restart", is_flag=True,
+                        help="Discard the results of a different job in the output directory.")
 
 
 @main.command(help="Run JOB (a YAML job file) to completion, or resume it where it stopped.\n\n" + _EXIT_HELP)
@@ -225,8 +226,8 @@ def plan(job, overrides, gpus, kv_dtypes, deadline, prices, catalog, model_confi
             require_matplotlib()
         spec = JobSpec.from_yaml(job, list(overrides))
         chosen = cat.select(cat.load_catalog(catalog), list(gpus), cat.parse_prices(prices))
-        the_planner = planner_api.make_planner(spec, (), None if calibrate else deadline, model_config,
-                                               utilization, max_num_seqs)
+        the_planner = planner_api.make_planner(spec, None if calibrate else deadline, model_config, utilization,
+                                               max_num_seqs)
         if calibrate:
             from batchrun.planner.calibrate import calibrate as run_calibration
             report = run_calibration(spec, the_planner.work, pilot_fraction)
@@ -299,7 +300,8 @@ def _engine_overrides(items) -> dict:
 @click.option("--engine", "engine_items", multiple=True, metavar="KEY=VALUE",
               help="Any other engine option (see batchrun/config.py), e.g. --engine block_size=32 (repeatable).")
 def serve(model, host, port, api_key, served_model_name, max_prompt_tokens, max_tokens_limit, max_pending,
-          max_body_bytes, kv_cache_memory, kv_cache_dtype, max_num_seqs, max_num_batched_tokens, max_model_len, engine_items) -> None:
+          max_body_bytes, kv_cache_memory, kv_cache_dtype, max_num_seqs, max_num_batched_tokens, max_model_len,
+          engine_items) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP endpoint (/v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics); requests go to the engine's interactive lane. Needs the serve extra (fastapi, uvicorn)."""
     try:

@@ -135,3 +135,14 @@ def test_schema_command_gives_a_json_schema_the_shipped_jobs_satisfy(tmp_path):
 ])
 def test_typed_sections_explain_errors_in_our_words(tmp_path, text, message):
     assert re.search(message, spec_error(tmp_path, text))
+
+
+def test_a_job_file_cannot_construct_python_objects(tmp_path):
+    # the loader is yaml.SafeLoader's (plus the duplicate-key check): a python tag is an error, never executed
+    job = tmp_path / "evil.yaml"
+    marker = tmp_path / "ran"
+    job.write_text(f"name: !!python/object/apply:os.system ['touch {marker}']\n"
+                   "input: {path: in.parquet}\noutput: {path: out}\n")
+    with pytest.raises(JobError, match="not valid YAML"):
+        JobSpec.from_yaml(str(job))
+    assert not marker.exists()

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from batchrun.config import EngineConfig
 from batchrun.job.spec import JobSpec
+from batchrun.planner.costmodel import ModelSpec
 
 
 @dataclass
@@ -44,11 +45,13 @@ def check_model(spec: JobSpec) -> ModelFacts:
         context = max_model_len(hf_config, config.max_model_len)
     except ValueError as exc:
         raise spec.fail(("engine", "max_model_len"), str(exc).removeprefix("max_model_len: ")) from exc
-    heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    try:
+        shape = ModelSpec.from_config(hf_config, path)   # the planner's reading of layers, KV heads, head size
+    except ValueError as exc:
+        raise spec.fail(("model",), str(exc).removeprefix("model: ")) from exc
     on_cpu = config.device == "cpu" or not torch.cuda.is_available()
     kv_dtype = kv_cache.storage_dtype(config.kv_cache_dtype, torch.float32 if on_cpu else torch.float16)
-    kv_bytes = kv_cache.bytes_per_token(hf_config.num_hidden_layers, heads, head_dim, kv_dtype)
+    kv_bytes = kv_cache.bytes_per_token(shape.num_layers, shape.kv_heads, shape.head_dim, kv_dtype)
     budget, sizing = _kv_budget(config, path, on_cpu)
     batch_budget, _ = kv_sizing.split_interactive(config, budget)
     try:

@@ -5,9 +5,8 @@ from batchrun.job.spec import JobSpec
 from batchrun.planner import catalog as cat, plan as planner, workload
 
 
-def make_planner(job: str | JobSpec, overrides=(), deadline: str | None = None, model_config: str | None = None,
+def make_planner(spec: JobSpec, deadline: str | None = None, model_config: str | None = None,
                  utilization: float = 0.9, max_num_seqs: int | None = None) -> planner.Planner:
-    spec = job if isinstance(job, JobSpec) else JobSpec.from_yaml(job, list(overrides))
     model = workload.read_model_config(model_config or spec.model, spec.engine.trust_remote_code,
                                        "--model-config" if model_config else "model")
     work = workload.load_workload(spec, model, max_num_seqs)
@@ -23,8 +22,8 @@ def plan(job: str | JobSpec, gpus=(), kv_dtypes=(), deadline: str | None = None,
     float16, int8, fp8; deadline: '6h', '90m' or a date-time; prices: {gpu: USD per hour}. The report's "rows"
     make a table: pandas.DataFrame(report["rows"])."""
     chosen = cat.select(cat.load_catalog(catalog), list(gpus), prices or {})
-    return run_plan(make_planner(job, overrides, deadline, model_config, utilization, max_num_seqs), chosen,
-                    kv_dtypes)
+    spec = job if isinstance(job, JobSpec) else JobSpec.from_yaml(job, list(overrides))
+    return run_plan(make_planner(spec, deadline, model_config, utilization, max_num_seqs), chosen, kv_dtypes)
 
 
 def run_plan(the_planner: planner.Planner, chosen: list[cat.GPU], kv_dtypes=(), traffic=None) -> dict:
