@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+from batchrun import structured
 
 
 @dataclass
@@ -15,6 +18,13 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False              # return the log-probability of each chosen token
+    n: int = 1                          # samples per prompt; the prompt is prefilled once and its blocks shared
+    # Structured outputs (one at most): the output must match it; a complete match ends the request ("stop").
+    json_schema: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None          # EBNF (xgrammar's dialect, GBNF-like)
+    json_object: bool = False           # any JSON object (OpenAI's response_format json_object)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -30,6 +40,14 @@ class SamplingParams:
             raise ValueError(f"top_k: must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed: must be an integer, got {self.seed!r}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise ValueError(f"n: must be a positive integer, got {self.n!r}")
+        structured.check(self)
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(kind, source) of the structured-output constraint, None when the output is free."""
+        return structured.constraint(self)
 
     @property
     def greedy(self) -> bool:

@@ -68,12 +68,7 @@ class BlockManager:
         request.block_table.extend(computed_blocks)
         self.prefix_hits += len(computed_blocks) * self.block_size
         for _ in range(need):
-            block, _ = self.free.popitem(last=False)
-            if self.block_hash[block] is not None:   # evict the least recently used cached block
-                del self.cached[self.block_hash[block]]
-                self.block_hash[block] = self.block_tokens[block] = None
-            self.ref_counts[block] = 1
-            request.block_table.append(block)
+            request.block_table.append(self._take_free_block())
         return True
 
     def cache_full_blocks(self, request: Request) -> None:
@@ -89,6 +84,31 @@ class BlockManager:
             if self.block_hash[block] is None and hashes[-1] not in self.cached:
                 self.block_hash[block], self.block_tokens[block] = hashes[-1], chunk
                 self.cached[hashes[-1]] = block
+
+    def fork(self, parent: Request, child: Request, num_tokens: int) -> list[tuple[int, int]] | None:
+        """Give `child` the parent's first `num_tokens` tokens of KV: the full blocks shared (one more reference
+        each), the last partial block as a fresh block (copy on write: both will append to it). Returns the
+        (source, destination) block copies to make in the KV pool; None when no block is free for the copy (the
+        child then gets no blocks and recomputes)."""
+        full, partial = divmod(num_tokens, self.block_size)
+        if partial and not self.free:
+            return None
+        shared = parent.block_table[:full]
+        for block in shared:
+            self.ref_counts[block] += 1
+        child.block_table = list(shared)
+        if not partial:
+            return []
+        child.block_table.append(self._take_free_block())
+        return [(parent.block_table[full], child.block_table[-1])]
+
+    def _take_free_block(self) -> int:
+        block, _ = self.free.popitem(last=False)
+        if self.block_hash[block] is not None:   # evict the least recently used cached block
+            del self.cached[self.block_hash[block]]
+            self.block_hash[block] = self.block_tokens[block] = None
+        self.ref_counts[block] = 1
+        return block
 
     def free_request(self, request: Request) -> None:
         # Tail blocks first, so they are evicted before the shared prefix blocks.

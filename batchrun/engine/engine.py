@@ -1,6 +1,7 @@
 """The step loop: schedule -> forward -> sample -> update, over a paged KV pool."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -20,6 +21,7 @@ from batchrun.engine.scheduler import Lane, Scheduler, StepPlan, WaitingQueue, d
 from batchrun.engine.stop import StopRule
 from batchrun.models.llama import LlamaForCausalLM
 from batchrun.sampling_params import SamplingParams
+from batchrun.structured import GrammarCompiler
 
 log = logging.getLogger("batchrun")
 
@@ -70,7 +72,8 @@ class Engine:
                                    StopRule(self._eos_token_ids(), self.max_model_len, self.tokenizer))
         self.sampler = Sampler(config.seed)
         self.stats = StepStats(kv_blocks_free=self.num_blocks)
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, list[Request]] = {}   # request id -> its samples (one unless params.n > 1)
+        self._grammars: GrammarCompiler | None = None   # built at the first structured-output request
         self._rejected: list[Request] = []
         self._ids = itertools.count()
 
@@ -145,8 +148,8 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in the engine")
         request = Request(request_id, list(prompt_token_ids), params, lane, priority, order_key)
-        self.requests[request_id] = request
-        error = self._check_request(request)
+        self.requests[request_id] = [request]
+        error = self._check_request(request) or self._attach_grammar(request)
         if error:
             self._finish(request, "error", error)
             self._rejected.append(request)
@@ -165,16 +168,28 @@ class Engine:
             return f"prompt: {n} tokens does not fit the context of {self.max_model_len} tokens (max_model_len)"
         return None   # the pool holds one request at max context (checked at start-up): it always fits alone
 
+    def _attach_grammar(self, request: Request) -> str | None:
+        """Give a structured-output request its matcher; the error when that cannot be."""
+        constraint = request.params.constraint
+        if constraint is None:
+            return None
+        if self.tokenizer is None:
+            return "structured output: this model has no tokenizer to match the grammar against"
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.hf_config.vocab_size, sorted(self._eos_token_ids()))
+        request.grammar = self._grammars.matcher(*constraint)
+        return None
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._rejected)
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request and free its blocks; returns its final output (None if unknown or finished)."""
-        request = self.requests.get(request_id)
-        if request is None or request.finished:
-            return None
-        self._finish(request, "abort")
-        return self._output(request)
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """Stop a request (every sample of it) and free its blocks; returns the final outputs of the samples it
+        stopped (none if unknown or finished)."""
+        samples = [r for r in self.requests.get(request_id, []) if not r.finished]
+        for request in samples:
+            self._finish(request, "abort")
+        return [self._output(r) for r in samples]
 
     def step(self) -> list[RequestOutput]:
         """Run one step; returns an output for each request that got a token or finished."""
@@ -186,7 +201,13 @@ class Engine:
         if plan.scheduled:
             self.stats.prompt_tokens += plan.num_prompt_tokens
             logits, sample_reqs = self.runner.run(plan, self._pool_of)
+            logits, sample_reqs = self._fork(logits, sample_reqs)
+            if self._grammars is not None:
+                self._grammars.mask(logits, [r.grammar for r in sample_reqs])
             tokens, logprobs = self.sampler(logits, sample_reqs)
+            for request, token in zip(sample_reqs, tokens):
+                if request.grammar is not None:
+                    request.grammar.accept_token(token)
             finished = self.scheduler.update(plan, zip(sample_reqs, tokens, logprobs))
             now = time.monotonic()
             for request in sample_reqs:
@@ -201,6 +222,36 @@ class Engine:
         self._update_stats(plan, context, time.perf_counter() - start)
         return [self._output(r) for r in touched]
 
+    def _fork(self, logits: torch.Tensor, sample_reqs: list[Request]) -> tuple[torch.Tensor, list[Request]]:
+        """Prompts sampled for the first time with n > 1: their other samples join, sharing the prompt's KV blocks
+        and sampling their first token from the prompt's logits row."""
+        if not any(r.forks_pending for r in sample_reqs):
+            return logits, sample_reqs
+        rows, requests = [], []
+        for row, request in enumerate(sample_reqs):
+            rows.append(row)
+            requests.append(request)
+            if request.forks_pending:
+                siblings = [self._sibling(request, k) for k in range(1, request.params.n)]
+                copies = self.scheduler.fork(request, siblings)
+                if copies:
+                    self.runner.pools[self._pool_of(request)].copy_blocks(copies)
+                rows += [row] * len(siblings)
+                requests += siblings
+        return logits[torch.tensor(rows, device=logits.device)], requests
+
+    def _sibling(self, parent: Request, index: int) -> Request:
+        """Sample `index` of the parent's prompt: its own generator (seed + index when the prompt has a seed) and
+        its own grammar matcher."""
+        params = parent.params
+        if params.seed is not None:
+            params = dataclasses.replace(params, seed=params.seed + index)
+        sibling = Request(parent.request_id, list(parent.prompt_token_ids), params, parent.lane, parent.priority,
+                          parent.order_key, arrival_time=parent.arrival_time, sample_index=index)
+        self._attach_grammar(sibling)
+        self.requests[parent.request_id].append(sibling)
+        return sibling
+
     def _finish(self, request: Request, reason: str, error: str | None = None) -> None:
         """End a request outside the step's stop rules (rejected or aborted)."""
         self.scheduler.finish(request, reason)
@@ -214,7 +265,10 @@ class Engine:
 
     def _output(self, request: Request) -> RequestOutput:
         done = request.finished
-        if done:
+        samples = self.requests.get(request.request_id, [])
+        # the prompt's samples all finished (or it ended before its first token, when they would have forked)
+        if done and all(r.finished for r in samples) and (len(samples) == request.params.n
+                                                          or samples[0].forks_pending):
             self.requests.pop(request.request_id, None)
         return RequestOutput(
             request_id=request.request_id, prompt_tokens=request.num_prompt_tokens,
@@ -223,7 +277,7 @@ class Engine:
             logprobs=list(request.logprobs) if request.params.logprobs else None,
             cached_tokens=request.num_cached_tokens,
             time_to_first_token=(request.first_token_time - request.arrival_time) if request.first_token_time else None,
-            latency=(request.finish_time - request.arrival_time) if done else None)
+            latency=(request.finish_time - request.arrival_time) if done else None, sample_index=request.sample_index)
 
     def _update_stats(self, plan: StepPlan, context_tokens: int, step_time: float) -> None:
         s = self.stats

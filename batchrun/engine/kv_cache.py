@@ -45,3 +45,11 @@ class KVPool:
         if self.scales is None:
             return LayerCache(self.data[0, i], self.data[1, i], None, None)
         return LayerCache(self.data[0, i], self.data[1, i], self.scales[0, i], self.scales[1, i])
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks, every layer's K and V (and scales): (source, destination) pairs."""
+        src = torch.tensor([a for a, _ in pairs], device=self.data.device)
+        dst = torch.tensor([b for _, b in pairs], device=self.data.device)
+        self.data[:, :, dst] = self.data[:, :, src]
+        if self.scales is not None:
+            self.scales[:, :, dst] = self.scales[:, :, src]

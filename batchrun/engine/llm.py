@@ -109,9 +109,9 @@ class LLM:
         for token_ids, params, request_id, lane, priority in inbox:
             self.engine.add_request(token_ids, params, request_id=request_id, lane=lane, priority=priority)
         for request_id in aborts:
-            final = self.engine.abort(request_id)
+            finals = self.engine.abort(request_id)
             handle = self._handles.pop(request_id, None)
-            if handle is not None and final is not None:
+            for final in finals if handle is not None else ():
                 handle._push(final)
         outputs = []
         for out in self.engine.step():
@@ -168,7 +168,8 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, lane: str = "batch", priority: int = 0) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order."""
+        """Run every prompt to completion; outputs come back in input order (with n > 1 samples per prompt, its n
+        outputs one after the other, by sample_index)."""
         if _is_single_prompt(prompts):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -180,30 +181,39 @@ class LLM:
         for prompt, p in zip(prompts, params):
             ids.append(self.engine.add_request(self.encode(prompt), p, lane=lane, priority=priority).request_id)
         try:
-            results = self._run_until_done(set(ids), use_tqdm)
+            results = self._run_until_done({i: p.n for i, p in zip(ids, params)}, use_tqdm)
         except KeyboardInterrupt:   # Ctrl-C (a kernel interrupt): free this call's requests, keep the engine usable
             for request_id in ids:
                 self.engine.abort(request_id)
             raise
-        return [results[i] for i in ids]
+        return [out for i in ids for out in sorted(results[i], key=lambda o: o.sample_index)]
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, **kwargs) -> list[RequestOutput]:
         """One conversation (a list of messages) or several; each goes through the chat template."""
         return self.generate(messages, sampling_params, **kwargs)
 
-    def _run_until_done(self, pending: set[str], use_tqdm: bool) -> dict[str, RequestOutput]:
-        results: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(pending), desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+    def _run_until_done(self, samples: dict[str, int], use_tqdm: bool) -> dict[str, list[RequestOutput]]:
+        """Step until each request id has its number of samples finished."""
+        results: dict[str, list[RequestOutput]] = {i: [] for i in samples}
+        pending = dict(samples)
+        bar = tqdm(total=sum(samples.values()), desc="generate", unit="req", disable=not use_tqdm,
+                   dynamic_ncols=True)
         out_tokens, start = 0, time.perf_counter()
         with bar:
             while pending:
                 for out in self.step():
-                    if out.finished and out.request_id in pending:
-                        pending.discard(out.request_id)
-                        results[out.request_id] = out
-                        out_tokens += len(out.token_ids)
-                        bar.update(1)
+                    if not out.finished or out.request_id not in pending:
+                        continue
+                    results[out.request_id].append(out)
+                    out_tokens += len(out.token_ids)
+                    bar.update(1)
+                    # a request that ended before its first token (rejected, aborted) never forked its samples
+                    left = pending[out.request_id] - 1 if out.token_ids or out.sample_index else 0
+                    if left:
+                        pending[out.request_id] = left
+                    else:
+                        del pending[out.request_id]
                 s = self.engine.stats
                 elapsed = max(time.perf_counter() - start, 1e-9)
                 bar.set_postfix_str(f"out {out_tokens / elapsed:.1f} tok/s, run {s.running}, wait {s.waiting}, "

@@ -41,6 +41,8 @@ class Request:
     finish_time: float | None = None
     generator: object = None              # torch.Generator for seeded sampling
     text: str | None = None               # detokenized output, set on finish (or cut at a stop string)
+    sample_index: int = 0                 # which of the prompt's params.n samples
+    grammar: object = None                # structured output: the xgrammar matcher of this sample
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
@@ -61,6 +63,11 @@ class Request:
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    @property
+    def forks_pending(self) -> bool:
+        """A prompt with n > 1 samples, before its first token: its siblings are forked from it then."""
+        return self.params.n > 1 and self.sample_index == 0 and self.num_tokens == self.num_prompt_tokens
+
 
 @dataclass
 class RequestOutput:
@@ -75,3 +82,4 @@ class RequestOutput:
     cached_tokens: int = 0
     time_to_first_token: float | None = None   # seconds from arrival
     latency: float | None = None               # seconds from arrival to finish
+    sample_index: int = 0                      # with n > 1 samples per prompt: which one (same request_id)

@@ -160,6 +160,8 @@ class Scheduler:
             if sum(len(x.running) for x in self.lanes) >= self.max_num_seqs and not self._free_a_seat(lane, plan):
                 break
             request = lane.waiting.peek()
+            if request.forks_pending and lane.running and len(lane.running) + request.params.n > lane.max_num_seqs:
+                break   # its samples will take n seats
             hits = lane.block_manager.get_computed_blocks(request)
             cached = len(hits) * lane.block_manager.block_size
             n = min(request.num_tokens - request.num_computed_tokens - cached, budget - used)
@@ -213,6 +215,22 @@ class Scheduler:
                 self.finish(request, reason)
                 finished.append(request)
         return finished
+
+    def fork(self, parent: Request, siblings: list[Request]) -> list[tuple[int, int]]:
+        """Samples 1..n-1 of a prompt sampled for the first time this step: each shares the parent's prompt KV and
+        runs from the next step (one that finds no block for its copy waits, and recomputes when admitted).
+        Returns the (source, destination) blocks to copy in the lane's KV pool."""
+        lane, copies = self.lane_of(parent), []
+        for sibling in siblings:
+            pairs = lane.block_manager.fork(parent, sibling, parent.num_tokens)
+            if pairs is None:
+                lane.waiting.push(sibling)
+                continue
+            copies += pairs
+            sibling.num_computed_tokens = sibling.num_cached_tokens = parent.num_tokens
+            sibling.status = RequestStatus.RUNNING
+            lane.running.append(sibling)
+        return copies
 
     def finish(self, request: Request, reason: str) -> None:
         """Release a request, running or waiting, and mark it finished (a finished request is left as it is)."""

@@ -15,6 +15,8 @@ class StopRule:
     def __call__(self, request: Request) -> str | None:
         """'stop' or 'length' when the request's last token ends it, else None. A stop string cuts request.text."""
         token, params = request.token_ids[-1], request.params
+        if request.grammar is not None and request.grammar.is_terminated():
+            return "stop"
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             return "stop"
         if params.stop and self._cut_at_stop_string(request):

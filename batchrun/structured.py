@@ -1,0 +1,99 @@
+"""Structured outputs: a JSON schema, a regex, a list of choices or an EBNF grammar, compiled by xgrammar into a
+matcher per request. Each step the sampler bans, batched on the logits' device, every token the matcher would
+refuse; the chosen token is then accepted into the matcher, and a request whose grammar is complete stops.
+
+Compiled grammars are cached by their source (xgrammar's compiler cache), so a schema shared by a million rows is
+compiled once; the syntax check when SamplingParams is built is cached the same way.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import re
+
+import torch
+
+KINDS = ("json_schema", "regex", "choice", "grammar", "json_object")
+
+
+def constraint(params) -> tuple[str, str] | None:
+    """(kind, source) of the params' output constraint (None: unconstrained); choices become a grammar."""
+    given = [k for k in KINDS if getattr(params, k) not in (None, False)]
+    if len(given) > 1:
+        raise ValueError(f"{given[1]}: give one of {', '.join(KINDS)}, not {' and '.join(given)}")
+    if not given:
+        return None
+    kind = given[0]
+    value = getattr(params, kind)
+    if kind == "json_object":
+        return "json_schema", '{"type": "object"}'
+    if kind == "json_schema":   # keys keep their order: properties are generated in the schema's order
+        return kind, value if isinstance(value, str) else json.dumps(value)
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise ValueError(f"choice: must be a non-empty list of non-empty strings, got {value!r}")
+        return "grammar", "root ::= " + " | ".join(json.dumps(c) for c in value)
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{kind}: must be a non-empty string, got {value!r}")
+    return kind, value
+
+
+def check(params) -> None:
+    """Raise ValueError naming the field when the constraint does not parse (cached per distinct source)."""
+    found = constraint(params)
+    if found:
+        error = _syntax_error(*found)
+        if error:
+            field = "choice" if params.choice is not None else found[0]
+            raise ValueError(f"{field}: {error}")
+
+
+@functools.lru_cache(maxsize=256)
+def _syntax_error(kind: str, source: str) -> str | None:
+    import xgrammar as xgr
+    try:
+        if kind == "json_schema":
+            json.loads(source)
+            xgr.Grammar.from_json_schema(source, any_whitespace=False)
+        elif kind == "regex":
+            xgr.Grammar.from_regex(source)
+        elif kind == "grammar":
+            xgr.Grammar.from_ebnf(source)
+    except json.JSONDecodeError as exc:
+        return f"not valid JSON ({exc})"
+    except RuntimeError as exc:
+        return _plain(str(exc))
+    return None
+
+
+def _plain(message: str) -> str:
+    """xgrammar's C++ message without its '[time] file.cc:line: ' prefix."""
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", message.strip())
+
+
+class GrammarCompiler:
+    """One per engine: the tokenizer's vocabulary as xgrammar sees it, and the cache of compiled grammars."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+        import xgrammar as xgr
+        self._xgr = xgr
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        self._compiler = xgr.GrammarCompiler(info)
+        self.vocab_size = vocab_size
+
+    def matcher(self, kind: str, source: str):
+        """A fresh matcher for one request (a sample of its own)."""
+        compile_ = {"json_schema": lambda s: self._compiler.compile_json_schema(s, any_whitespace=False),
+                    "regex": self._compiler.compile_regex, "grammar": self._compiler.compile_grammar}[kind]
+        return self._xgr.GrammarMatcher(compile_(source))
+
+    def mask(self, logits: torch.Tensor, matchers: list) -> None:
+        """Ban, in place, each row's tokens its matcher (None: unconstrained row) would refuse."""
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return
+        bitmask = self._xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        for i in rows:
+            matchers[i].fill_next_token_bitmask(bitmask, i)
+        self._xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.vocab_size,
+                                              indices=rows)
