@@ -267,7 +267,7 @@ class Engine:
         done = request.finished
         samples = self.requests.get(request.request_id, [])
         # the prompt's samples all finished (or it ended before its first token, when they would have forked)
-        if done and all(r.finished for r in samples) and (len(samples) == request.params.n
+        if done and samples and all(r.finished for r in samples) and (len(samples) == request.params.n
                                                           or samples[0].forks_pending):
             self.requests.pop(request.request_id, None)
         return RequestOutput(
