@@ -124,8 +124,8 @@ def shard_sink(tmp_path, n=23, shard_rows=4):
     from batchrun.job.sink import ResultSink, result_schema
     sink = ResultSink(str(tmp_path), result_schema(pa.string(), []), shard_rows, 3600)
     for i in reversed(range(n)):                     # finish order: the reverse of input order
-        sink.add({"id": f"r{i}", "status": "ok", "row_index": i, "prompt_tokens": 1, "completion_tokens": 1,
-                  "cached_tokens": 0})
+        sink.add([{"id": f"r{i}", "status": "ok", "row_index": i, "prompt_tokens": 1, "completion_tokens": 1,
+                   "cached_tokens": 0}])
     sink.flush()
     return sink
 

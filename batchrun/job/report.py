@@ -35,13 +35,15 @@ def read_state(out_dir: str) -> dict | None:
 def counts(out_dir: str) -> dict:
     """Rows done (ok / failed), tokens in and out, remaining, read from the committed shards."""
     state = read_state(out_dir) or {}
-    table = ShardStore(out_dir).read(["status", "prompt_tokens", "completion_tokens"])
+    table = ShardStore(out_dir).read(["status", "prompt_tokens", "completion_tokens", "row_index"])
     total = state.get("rows")
     if table is None:
         c = {"rows_done": 0, "rows_ok": 0, "rows_failed": 0, "prompt_tokens": 0, "completion_tokens": 0}
     else:
-        failed = int(pc.sum(pc.equal(table["status"], "error")).as_py() or 0)
-        c = {"rows_done": table.num_rows, "rows_ok": table.num_rows - failed, "rows_failed": failed,
+        # input rows, not output rows: with n samples an input row has n output rows, failed if any is
+        done = pc.count_distinct(table["row_index"]).as_py()
+        failed = pc.count_distinct(table["row_index"].filter(pc.equal(table["status"], "error"))).as_py()
+        c = {"rows_done": done, "rows_ok": done - failed, "rows_failed": failed,
              "prompt_tokens": int(pc.sum(table["prompt_tokens"]).as_py() or 0),
              "completion_tokens": int(pc.sum(table["completion_tokens"]).as_py() or 0)}
     c["rows_total"] = total

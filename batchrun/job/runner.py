@@ -15,6 +15,7 @@ import time
 from datetime import datetime
 
 from batchrun.job import kv_gate, preflight, prepare, report
+from batchrun.job.records import RecordMaker, extra_columns
 from batchrun.job.bucketing import RowFeed
 from batchrun.job.errors import EXIT_FAILED_ROWS, EXIT_INTERRUPTED, EXIT_OK
 from batchrun.job.eta import EtaEstimator
@@ -25,16 +26,6 @@ from batchrun.job.source import Row
 from batchrun.job.spec import JobSpec
 
 log = logging.getLogger("batchrun.job")
-
-
-def _record(row: Row, out=None) -> dict:
-    ok = out is not None and out.finish_reason != "error"
-    return {"id": row.id, "text": out.text if ok else None, "finish_reason": out.finish_reason if out else "error",
-            "prompt_tokens": out.prompt_tokens if out else len(row.token_ids or []),
-            "completion_tokens": len(out.token_ids) if ok else 0, "status": "ok" if ok else "error",
-            "error": None if ok else (row.error or out.error), "latency": out.latency if out else None,
-            "time_to_first_token": out.time_to_first_token if out else None,
-            "cached_tokens": out.cached_tokens if out else 0, "row_index": row.index, **row.passthrough}
 
 
 class JobRunner:
@@ -57,7 +48,7 @@ class JobRunner:
             total = prepare.count_rows(spec, source)
             preflight.check_model(spec)   # before the output is claimed: a job that cannot start claims nothing
             prepare.claim_output(spec, out_dir, prepare.job_state(spec, source.files, total), self.restart)
-            sink = ResultSink(out_dir, result_schema(source.id_type, source.passthrough_schema()),
+            sink = ResultSink(out_dir, result_schema(source.id_type, source.passthrough_schema() + extra_columns(spec)),
                               spec.output.shard_rows, spec.output.flush_every_s)
             done = sink.store.done_indices()
             handlers = self._log_to(out_dir)
@@ -105,6 +96,8 @@ class JobRunner:
                        batching.bucketing, done, batching.longest_first, observe=eta.observe_rows)
         in_flight_cap = config.max_num_seqs + (batching.max_waiting or 4 * config.max_num_seqs)
         inflight: dict[str, Row] = {}
+        finished: dict[str, list] = {}   # a row's finished samples, until it has all (n > 1)
+        records = RecordMaker(spec)
         progress = Progress(total, len(done), self.tty, spec.output.log_every_s, self._name(), eta, spec.deadline_at,
                             spec.path)
         start, kv_peak = time.perf_counter(), 0
@@ -116,17 +109,26 @@ class JobRunner:
                     engine.add_request(row.token_ids, row.params, request_id=str(row.index),
                                        lane=spec.engine.lane, order_key=order_key)
                 for row in feed.failed:
-                    self._save(sink, _record(row))
+                    self._save(sink, records.records(row))
                     progress.row(failed=True, tokens=0)
                 feed.failed.clear()
                 if not inflight and (server is None or not server.finishing()):
                     break
                 for out in llm.step():   # also admits served requests and routes their tokens
-                    if out.finished:
-                        row = inflight.pop(out.request_id)
-                        self._save(sink, _record(row, out))
-                        progress.row(failed=out.finish_reason == "error", tokens=len(out.token_ids),
-                                     max_tokens=row.params.max_tokens, prompt_tokens=out.prompt_tokens)
+                    if not out.finished:
+                        continue
+                    outs = finished.setdefault(out.request_id, [])
+                    outs.append(out)
+                    row = inflight[out.request_id]
+                    # a request that ended before its first token never forked its other samples
+                    if len(outs) < row.params.n and (out.token_ids or out.sample_index):
+                        continue
+                    del inflight[out.request_id], finished[out.request_id]
+                    saved = records.records(row, outs)
+                    self._save(sink, saved)
+                    progress.row(failed=all(r["status"] == "error" for r in saved),
+                                 tokens=sum(len(o.token_ids) for o in outs),
+                                 max_tokens=row.params.max_tokens * row.params.n, prompt_tokens=out.prompt_tokens)
                 kv_peak = max(kv_peak, engine.stats.kv_blocks_used)
                 if progress.tick(engine, feed.queued):
                     figures = self._figures(out_dir, engine, sink, progress, start, kv_peak)
@@ -159,11 +161,12 @@ class JobRunner:
                                                      "status": "running"})
         report.write_eta_state(out_dir, eta.state())
 
-    def _save(self, sink: ResultSink, record: dict | None = None) -> None:
-        """Add a result (or flush); a write that fails (disk full, output made read-only) stops the job as a signal
-        does: nothing more is admitted, and rows not in a complete shard run again on the next submit."""
+    def _save(self, sink: ResultSink, records: list[dict] | None = None) -> None:
+        """Add an input row's results (or flush); a write that fails (disk full, output made read-only) stops the
+        job as a signal does: nothing more is admitted, and rows not in a complete shard run again on the next
+        submit."""
         try:
-            sink.add(record) if record is not None else sink.flush()
+            sink.add(records) if records is not None else sink.flush()
         except OSError as exc:
             if self.stop_reason is None:
                 self.stop_reason = f"a failed write in {sink.store.dir} ({exc.strerror or exc})"

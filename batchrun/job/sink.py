@@ -100,8 +100,9 @@ class ResultSink:
         self.last_flush = time.monotonic()
         self.rows_written = 0
 
-    def add(self, record: dict) -> None:
-        self.pending.append(record)
+    def add(self, records: list[dict]) -> None:
+        """One input row's results (its samples), together: they land in one shard, so a row is done or not."""
+        self.pending.extend(records)
         if len(self.pending) >= self.shard_rows or time.monotonic() - self.last_flush >= self.flush_every_s:
             self.flush()
 

@@ -57,7 +57,9 @@ EngineSection = section_from(EngineConfig, "EngineSection", skip=("model",),
                              lane=(Literal["batch", "interactive"], "batch"))
 # logprobs: the job's output has no column for them
 SamplingSection = section_from(SamplingParams, "SamplingSection", skip=("logprobs",),
-                               defaults=JOB_SAMPLING_DEFAULTS)
+                               defaults=JOB_SAMPLING_DEFAULTS,
+                               json_schema_file=(Optional[str], Field(None, description="a JSON schema file for "
+                                                                      "the output, relative to the job file")))
 
 
 class InputSection(Section):
@@ -74,6 +76,7 @@ class InputSection(Section):
     temperature_column: Optional[str] = None
     top_p_column: Optional[str] = None
     seed_column: Optional[str] = None
+    json_schema_column: Optional[str] = Field(None, description="a JSON schema (text) per row for its output")
     passthrough: list[str] = Field(default_factory=list, description="input columns copied to the output")
     limit: Optional[PositiveInt] = None
     allow_duplicate_ids: bool = False
@@ -101,6 +104,8 @@ class OutputSection(Section):
     shard_rows: PositiveInt = 256
     flush_every_s: float = 30.0
     log_every_s: float = 30.0
+    parse_json: bool = Field(False, description="a json column with the parsed, validated output; an output "
+                                                "that does not parse (or match its schema) fails its row")
 
 
 class KVQualityGateSection(Section):
@@ -239,10 +244,28 @@ class JobSpec:
             EngineConfig(model=self.model, **self.engine_options)
         except ValueError as exc:
             raise self._field_error("engine", exc) from exc
+        self._read_schema_file()
         try:
             self.sampling_params()
         except ValueError as exc:
             raise self._field_error("sampling", exc) from exc
+
+    def _read_schema_file(self) -> None:
+        """sampling.json_schema_file into sampling.json_schema (so the schema's text is part of the identity)."""
+        name = self.sampling.json_schema_file
+        if not name:
+            return
+        if self.sampling.json_schema is not None:
+            raise self.fail(("sampling", "json_schema_file"), "give json_schema or json_schema_file, not both")
+        try:
+            with open(self.resolve(name)) as f:
+                self.sampling.json_schema = json.load(f)
+        except OSError as exc:
+            raise self.fail(("sampling", "json_schema_file"), f"cannot read {self.resolve(name)} "
+                                                               f"({exc.strerror})") from None
+        except ValueError as exc:
+            raise self.fail(("sampling", "json_schema_file"), f"{self.resolve(name)} is not valid JSON "
+                                                               f"({exc})") from None
 
     def _read_deadline(self) -> datetime | None:
         if self.deadline is None:
@@ -262,7 +285,8 @@ class JobSpec:
 
     def sampling_params(self, **row) -> SamplingParams:
         """The job's SamplingParams, with a row's own values (None: not given) over the sampling section."""
-        return SamplingParams(**{**self.sampling.model_dump(), **{k: v for k, v in row.items() if v is not None}})
+        return SamplingParams(**{**self.sampling.model_dump(exclude={"json_schema_file"}),
+                                 **{k: v for k, v in row.items() if v is not None}})
 
     def _resolve_model(self, model: str) -> str:
         """A model directory relative to the job file (as every path in it); a hub id or embedded name as given."""
