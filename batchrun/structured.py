@@ -38,6 +38,24 @@ def constraint(params) -> tuple[str, str] | None:
     return kind, value
 
 
+def from_response_format(response_format) -> dict:
+    """SamplingParams keywords for OpenAI's response_format: {"type": "text" | "json_object" | "json_schema",
+    "json_schema": {"name": ..., "schema": {...}}}."""
+    if response_format is None:
+        return {}
+    kind = response_format.get("type", "text") if isinstance(response_format, dict) else None
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        inner = response_format.get("json_schema")
+        if not isinstance(inner, dict) or not isinstance(inner.get("schema"), dict):
+            raise ValueError("response_format: json_schema.schema must be a JSON schema (an object)")
+        return {"json_schema": inner["schema"]}
+    raise ValueError(f"response_format: type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+
+
 def check(params) -> None:
     """Raise ValueError naming the field when the constraint does not parse (cached per distinct source)."""
     found = constraint(params)

@@ -84,3 +84,24 @@ def test_n_samples_rows_and_resume_exactly_once(tmp_path, tiny_model):
     assert sum(len(t) > 1 for t in texts.values()) >= 12   # samples differ
     summary = json.load(open(os.path.join(out, "summary.json")))
     assert summary["rows_ok"] == 16 and summary["rows_remaining"] == 0
+
+
+def test_openai_batch_n_and_response_format(tmp_path, tiny_model):
+    body = {"model": "x", "messages": [{"role": "user", "content": "fox"}], "max_tokens": 40}
+    lines = [{"custom_id": "two", "method": "POST", "url": "/v1/chat/completions",
+              "body": {**body, "n": 2, "temperature": 1.0, "seed": 1, "max_tokens": 4}},
+             {"custom_id": "schema", "method": "POST", "url": "/v1/chat/completions",
+              "body": {**body, "response_format": {"type": "json_schema", "json_schema": {"name": "s",
+                                                                                          "schema": SCHEMA}}}},
+             {"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions",
+              "body": {**body, "response_format": {"type": "json_schema", "json_schema": {"schema": 3}}}}]
+    (tmp_path / "req.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    job = write_job(tmp_path, tiny_model[0], input={"path": "req.jsonl"}, output={"openai_batch": True})
+    result = Job.from_yaml(job).run(progress="log")
+    out = {o["custom_id"]: o for o in map(json.loads, open(os.path.join(result.output_dir, "output.jsonl")))}
+    two = out["two"]["response"]["body"]
+    assert [c["index"] for c in two["choices"]] == [0, 1] and two["usage"]["completion_tokens"] == 8
+    answer = out["schema"]["response"]["body"]["choices"][0]
+    if answer["finish_reason"] == "stop":
+        jsonschema.validate(json.loads(answer["message"]["content"], strict=False), SCHEMA)
+    assert out["bad"]["response"] is None and "body.response_format" in out["bad"]["error"]["message"]

@@ -91,7 +91,11 @@ def test_streaming_equals_non_streaming(served):
     (dict(top_p=0), "top_p"),
     (dict(max_tokens=MAX_TOKENS + 1), "max_tokens"),
     (dict(max_tokens=0), "max_tokens"),
-    (dict(n=2), "n"),
+    (dict(n=2, stream=True), "n"),
+    (dict(n=0), "n"),
+    (dict(extra_body={"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objectx"}}}}),
+     "response_format"),
+    (dict(extra_body={"response_format": {"type": "yaml"}}), "response_format"),
     (dict(prompt="fox " * (MAX_PROMPT + 10)), "prompt"),
     (dict(prompt=[]), "prompt"),
     (dict(prompt=[1, 100000]), "prompt"),
@@ -322,3 +326,19 @@ def test_bad_bodies_get_clear_4xx_answers(served):
         assert _send(server.url, ["Content-Type: application/json", f"Content-Length: {len(ok)}"], ok)[0] == 200
     finally:
         server.stop()
+
+
+def test_n_choices_and_response_format(served):
+    import json
+    _, _, client, _ = served
+    r = client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=5, temperature=1.0, n=3,
+                                  seed=4, extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2] and len({c.text for c in r.choices}) > 1
+    assert r.usage.completion_tokens == 15 and r.usage.prompt_tokens == len(served[0].encode("The quick brown fox"))
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Is it fine?"}], max_tokens=30, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    choice = chat.choices[0]
+    assert choice.finish_reason == "stop" and json.loads(choice.message.content) in ({"ok": True}, {"ok": False})

@@ -18,46 +18,38 @@ class EngineOverloaded(RuntimeError):
 class StreamChunk:
     new_token_ids: list[int]
     new_text: str
-    output: RequestOutput          # cumulative state (text set once finished)
+    output: RequestOutput          # cumulative state of its sample (text set once finished)
+    last: bool = False             # the request's last chunk: every sample finished
 
     @property
     def finished(self) -> bool:
+        """This chunk's sample finished."""
         return self.output.finished
 
 
-class RequestHandle:
-    """Filled by the stepping thread through `_push`; read from any thread (or event loop)."""
+class _Decoder:
+    """Text deltas of one sample's growing output, decoding a short window rather than the whole output
+    (quadratic in long streams)."""
 
-    def __init__(self, request_id: str, tokenizer, cancel):
-        self.request_id = request_id
+    def __init__(self, tokenizer):
         self._tokenizer = tokenizer
-        self._cancel = cancel
-        self._chunks: queue.Queue[StreamChunk] = queue.Queue()
-        self._done = threading.Event()
-        self._result: RequestOutput | None = None
-        self._sent_tokens = 0
-        self._sent_text = ""
+        self.sent_tokens = 0
+        self.sent_text = ""
         self._prefix_offset = self._read_offset = 0   # the window of output tokens decoded for the next delta
 
-    def _push(self, output: RequestOutput) -> None:
-        new_ids = output.token_ids[self._sent_tokens:]
-        self._sent_tokens = len(output.token_ids)
-        text = self._decode(output)
-        new_text, self._sent_text = text[len(self._sent_text):], text
-        self._chunks.put(StreamChunk(new_ids, new_text, output))
-        if output.finished:
-            self._result = output
-            self._done.set()
-
-    def _decode(self, output: RequestOutput) -> str:
+    def push(self, output: RequestOutput) -> tuple[list[int], str]:
+        new_ids = output.token_ids[self.sent_tokens:]
+        self.sent_tokens = len(output.token_ids)
         if output.finished or self._tokenizer is None:
-            return output.text or ""
-        return self._sent_text + self._delta(output.token_ids)
+            text = output.text or ""
+        else:
+            text = self.sent_text + self._delta(output.token_ids)
+        new_text, self.sent_text = text[len(self.sent_text):], text
+        return new_ids, new_text
 
     def _delta(self, ids: list[int]) -> str:
-        """Text added by the newest tokens, decoding a short window rather than the whole output (quadratic in
-        long streams). The window starts a few tokens back so that both decodes see the same first token (whose
-        leading space a tokenizer may drop); an incomplete multi-byte character waits for its last byte."""
+        """The window starts a few tokens back so that both decodes see the same first token (whose leading
+        space a tokenizer may drop); an incomplete multi-byte character waits for its last byte."""
         prefix = self._tokenizer.decode(ids[self._prefix_offset:self._read_offset], skip_special_tokens=True)
         text = self._tokenizer.decode(ids[self._prefix_offset:], skip_special_tokens=True)
         if len(text) <= len(prefix) or text.endswith("\ufffd"):
@@ -65,12 +57,38 @@ class RequestHandle:
         self._prefix_offset, self._read_offset = self._read_offset, len(ids)
         return text[len(prefix):]
 
+
+class RequestHandle:
+    """Filled by the stepping thread through `_push`; read from any thread (or event loop). With n samples, the
+    chunks of all samples come through one stream (each chunk's output says which sample)."""
+
+    def __init__(self, request_id: str, tokenizer, cancel, n: int = 1):
+        self.request_id = request_id
+        self.n = n
+        self._tokenizer = tokenizer
+        self._cancel = cancel
+        self._chunks: queue.Queue[StreamChunk] = queue.Queue()
+        self._done = threading.Event()
+        self._decoders: dict[int, _Decoder] = {}
+        self._finals: dict[int, RequestOutput] = {}
+
+    def _push(self, output: RequestOutput) -> None:
+        decoder = self._decoders.setdefault(output.sample_index, _Decoder(self._tokenizer))
+        new_ids, new_text = decoder.push(output)
+        if output.finished:
+            self._finals[output.sample_index] = output
+        # done with every sample, or ended before its first token (its other samples never started)
+        last = output.finished and (len(self._finals) == self.n or not (output.token_ids or output.sample_index))
+        self._chunks.put(StreamChunk(new_ids, new_text, output, last))
+        if last:
+            self._done.set()
+
     def stream(self, timeout: float | None = None):
         """Yield StreamChunks until the request finishes."""
         while True:
             chunk = self._chunks.get(timeout=timeout)
             yield chunk
-            if chunk.finished:
+            if chunk.last:
                 return
 
     async def astream(self, poll: float = 0.01):
@@ -82,13 +100,18 @@ class RequestHandle:
                 await asyncio.sleep(poll)
                 continue
             yield chunk
-            if chunk.finished:
+            if chunk.last:
                 return
 
     def result(self, timeout: float | None = None) -> RequestOutput:
+        """The final output (of sample 0 when there are n)."""
+        return self.results(timeout)[0]
+
+    def results(self, timeout: float | None = None) -> list[RequestOutput]:
+        """The final output of each sample, by sample_index."""
         if not self._done.wait(timeout):
             raise TimeoutError(f"request {self.request_id} not finished after {timeout}s")
-        return self._result
+        return [self._finals[k] for k in sorted(self._finals)]
 
     @property
     def done(self) -> bool:

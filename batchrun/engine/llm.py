@@ -90,9 +90,10 @@ class LLM:
                 raise EngineOverloaded(f"{len(self._handles)} submitted requests in flight "
                                        f"(limit {self.max_pending_submits}); retry later")
             request_id = request_id or f"submit-{next(self._submit_ids)}"
-            handle = RequestHandle(request_id, self.tokenizer, self._inbox_abort)
+            params = params or SamplingParams()
+            handle = RequestHandle(request_id, self.tokenizer, self._inbox_abort, params.n)
             self._handles[request_id] = handle
-            self._inbox.append((token_ids, params or SamplingParams(), request_id, lane, priority))
+            self._inbox.append((token_ids, params, request_id, lane, priority))
         self._wake.set()
         return handle
 
@@ -120,7 +121,7 @@ class LLM:
                 outputs.append(out)
                 continue
             handle._push(out)
-            if out.finished:
+            if handle.done:
                 with self._inbox_lock:
                     self._handles.pop(out.request_id, None)
         return outputs

@@ -1,11 +1,13 @@
 """OpenAI Batch API files: requests JSONL in (as job rows), results JSONL out, so client code keeps working.
 
 A request line: {"custom_id": "...", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
-"body": {"model": ..., "messages": [...] | "prompt": "...", "max_tokens", "temperature", "top_p", "seed", "stop"}}.
+"body": {"model": ..., "messages": [...] | "prompt": "...", "max_tokens", "temperature", "top_p", "seed", "stop", "n",
+"response_format"}}. A body with n > 1 gets one output row per sample and n choices in its response.
 A malformed line fails alone: its row gets status "error" and the reason.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -16,10 +18,11 @@ import pyarrow as pa
 from batchrun.job.errors import JobError
 from batchrun.job.source import Row, input_files, set_params
 from batchrun.job.spec import JobSpec
+from batchrun.structured import from_response_format
 
 URLS = ("/v1/chat/completions", "/v1/completions")
 BODY_PARAMS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
-               "top_p": "top_p", "seed": "seed", "stop": "stop"}
+               "top_p": "top_p", "seed": "seed", "stop": "stop", "n": "n"}
 
 
 class OpenAIBatchSource:
@@ -71,7 +74,13 @@ class OpenAIBatchSource:
             if error is None:
                 body = request["body"]
                 row.prompt = body.get("messages") if request["url"] == URLS[0] else body.get("prompt")
-                set_params(self.spec, row, {p: body[k] for k, p in BODY_PARAMS.items() if body.get(k) is not None})
+                try:
+                    structured = from_response_format(body.get("response_format"))
+                except ValueError as exc:
+                    row.error = f"{os.path.basename(path)} line {number}: body.{exc}"
+                else:
+                    set_params(self.spec, row, {**{p: body[k] for k, p in BODY_PARAMS.items()
+                                                   if body.get(k) is not None}, **structured})
             rows.append(row)
             if len(rows) == batch_size:
                 yield rows
@@ -108,8 +117,6 @@ def _parse(path: str, number: int, raw: bytes) -> tuple[str, dict | None, str | 
         return custom_id, None, f"{where}: body.messages must be a list of {{role, content}} objects"
     if url == URLS[1] and not isinstance(value, str):
         return custom_id, None, f"{where}: body.prompt must be a string"
-    if body.get("n", 1) != 1:
-        return custom_id, None, f"{where}: body.n must be 1 (one completion per request)"
     return custom_id, request, None
 
 
@@ -118,26 +125,37 @@ def write_output(table: pa.Table, path: str, model: str) -> None:
     tmp = path + ".tmp"
     created = int(time.time())
     with open(tmp, "w", encoding="utf-8") as f:
-        for r in table.sort_by("row_index").to_pylist():
-            line = {"id": f"batch_req_{r['row_index']}", "custom_id": r["id"], "response": None, "error": None}
-            if r["status"] == "ok":
-                line["response"] = {"status_code": 200, "request_id": f"req_{r['row_index']}",
-                                    "body": _body(r, model, created)}
+        rows = table.sort_by([("row_index", "ascending"), ("sample_index", "ascending")]).to_pylist()
+        for _, samples in itertools.groupby(rows, key=lambda r: r["row_index"]):
+            samples = list(samples)
+            first = samples[0]
+            line = {"id": f"batch_req_{first['row_index']}", "custom_id": first["id"], "response": None,
+                    "error": None}
+            failed = next((r for r in samples if r["status"] != "ok"), None)
+            if failed is None:
+                line["response"] = {"status_code": 200, "request_id": f"req_{first['row_index']}",
+                                    "body": _body(samples, model, created)}
             else:
-                line["error"] = {"code": "invalid_request", "message": r["error"]}
+                line["error"] = {"code": "invalid_request", "message": failed["error"]}
             f.write(json.dumps(line, ensure_ascii=False) + "\n")
     os.replace(tmp, path)
 
 
-def _body(r: dict, model: str, created: int) -> dict:
-    chat = r.get("url") == URLS[0]
-    choice = {"index": 0, "finish_reason": r["finish_reason"], "logprobs": None}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": r["text"]}
-    else:
-        choice["text"] = r["text"]
-    usage = {"prompt_tokens": r["prompt_tokens"], "completion_tokens": r["completion_tokens"],
-             "total_tokens": r["prompt_tokens"] + r["completion_tokens"]}
-    return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{r['row_index']}",
+def _body(samples: list[dict], model: str, created: int) -> dict:
+    """One request's response body: a choice per sample, usage with the prompt counted once."""
+    first = samples[0]
+    chat = first.get("url") == URLS[0]
+    choices = []
+    for r in samples:
+        choice = {"index": r["sample_index"], "finish_reason": r["finish_reason"], "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": r["text"]}
+        else:
+            choice["text"] = r["text"]
+        choices.append(choice)
+    completion = sum(r["completion_tokens"] for r in samples)
+    usage = {"prompt_tokens": first["prompt_tokens"], "completion_tokens": completion,
+             "total_tokens": first["prompt_tokens"] + completion}
+    return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{first['row_index']}",
             "object": "chat.completion" if chat else "text_completion", "created": created, "model": model,
-            "choices": [choice], "usage": usage}
+            "choices": choices, "usage": usage}

@@ -11,15 +11,20 @@ from batchrun.job.source import Row
 from batchrun.job.spec import JobSpec
 
 
+def has_samples(spec: JobSpec) -> bool:
+    """Whether rows may have several samples: n > 1 in the job, or OpenAI batch requests (each body has its n)."""
+    return spec.sampling.n > 1 or spec.input.format == "openai_batch"
+
+
 def extra_columns(spec: JobSpec) -> list[pa.Field]:
     """Columns the job adds to the standard result schema."""
-    return ([pa.field("sample_index", pa.int32())] if spec.sampling.n > 1 else []) + \
+    return ([pa.field("sample_index", pa.int32())] if has_samples(spec) else []) + \
         ([pa.field("json", pa.string())] if spec.output.parse_json else [])
 
 
 class RecordMaker:
     def __init__(self, spec: JobSpec):
-        self.samples = spec.sampling.n > 1
+        self.samples = has_samples(spec)
         self.parse_json = spec.output.parse_json
         self.n = spec.sampling.n
 
@@ -29,7 +34,8 @@ class RecordMaker:
         if outs and (len(outs) > 1 or outs[0].token_ids):
             return [self._record(row, out, out.sample_index) for out in sorted(outs, key=lambda o: o.sample_index)]
         out = outs[0] if outs else None
-        return [self._record(row, out, k) for k in range(self.n if self.samples else 1)]
+        n = row.params.n if row.params is not None else self.n
+        return [self._record(row, out, k) for k in range(n if self.samples else 1)]
 
     def _record(self, row: Row, out, sample_index: int) -> dict:
         ok = out is not None and out.finish_reason != "error"

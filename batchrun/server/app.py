@@ -160,18 +160,21 @@ class _Server:
         watcher = asyncio.create_task(_cancel_on_disconnect(request, handle))
         self.metrics.in_flight.inc()
         try:
-            out = None
+            finals = {}
             async for chunk in handle.astream():
                 self._first_token(chunk, arrival)
-                out = chunk.output
+                if chunk.finished:
+                    finals[chunk.output.sample_index] = chunk.output
         finally:
             self.metrics.in_flight.dec()
             watcher.cancel()
             if not handle.done:
                 handle.cancel()
-        _raise_for(out)
-        self.metrics.count_tokens(out.prompt_tokens, len(out.token_ids))
-        return fmt.full(out, logprobs)
+        outs = [finals[k] for k in sorted(finals)]
+        for out in outs or [None]:
+            _raise_for(out)
+        self.metrics.count_tokens(outs[0].prompt_tokens, sum(len(o.token_ids) for o in outs))
+        return fmt.full(outs, logprobs)
 
     def _first_token(self, chunk, arrival: float) -> None:
         if chunk.new_token_ids and len(chunk.output.token_ids) == len(chunk.new_token_ids):

@@ -14,11 +14,12 @@ def sse(obj) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def usage(out: RequestOutput) -> dict:
-    completion = len(out.token_ids)
-    return {"prompt_tokens": out.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": out.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
+def usage(outs: list[RequestOutput]) -> dict:
+    """One request's usage: its prompt once, the completion tokens of all its samples."""
+    completion = sum(len(o.token_ids) for o in outs)
+    return {"prompt_tokens": outs[0].prompt_tokens, "completion_tokens": completion,
+            "total_tokens": outs[0].prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": outs[0].cached_tokens}}
 
 
 def hold_back_stop_prefix(text: str, stops: list[str]) -> str:
@@ -45,16 +46,18 @@ class Format:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices, **extra}
 
-    def full(self, out: RequestOutput, with_logprobs: bool) -> dict:
-        lp = self.logprobs(out.token_ids, out.logprobs or [], 0) if with_logprobs else None
-        return self._body(self.object_full, [self.choice_full(out.text or "", out.finish_reason, lp)],
-                          usage=usage(out))
+    def full(self, outs: list[RequestOutput], with_logprobs: bool) -> dict:
+        """The body for a request's final outputs: a choice per sample."""
+        choices = [self.choice_full(out.text or "", out.finish_reason,
+                                    self.logprobs(out.token_ids, out.logprobs or [], 0) if with_logprobs else None,
+                                    out.sample_index) for out in outs]
+        return self._body(self.object_full, choices, usage=usage(outs))
 
     def chunk(self, text: str, finish_reason: str | None, lp=None) -> dict:
         return self._body(self.object_chunk, [self.choice_delta(text, finish_reason, lp)])
 
     def usage_chunk(self, out: RequestOutput) -> dict:
-        return self._body(self.object_chunk, [], usage=usage(out))
+        return self._body(self.object_chunk, [], usage=usage([out]))
 
     def _token_texts(self, token_ids: list[int]) -> list[str]:
         if self.tokenizer is None:
@@ -65,8 +68,8 @@ class Format:
 class CompletionFormat(Format):
     object_full = object_chunk = "text_completion"
 
-    def choice_full(self, text, finish_reason, lp):
-        return {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}
+    def choice_full(self, text, finish_reason, lp, index: int = 0):
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
 
     choice_delta = choice_full
 
@@ -82,8 +85,8 @@ class CompletionFormat(Format):
 class ChatFormat(Format):
     object_full, object_chunk = "chat.completion", "chat.completion.chunk"
 
-    def choice_full(self, text, finish_reason, lp):
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+    def choice_full(self, text, finish_reason, lp, index: int = 0):
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                 "finish_reason": finish_reason}
 
     def choice_delta(self, text, finish_reason, lp):

@@ -1,6 +1,6 @@
 """Request bodies of /v1/completions and /v1/chat/completions, and their translation to batchrun terms.
 
-Fields batchrun cannot honour (n > 1, echo, suffix, penalties, logit_bias, tools, JSON mode) are refused with a
+Fields batchrun cannot honour (n > 1 with streaming, echo, suffix, penalties, logit_bias, tools) are refused with a
 400 naming the field rather than silently ignored; unknown fields are ignored, as OpenAI clients send extras.
 """
 from __future__ import annotations
@@ -9,6 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
 
+from batchrun import structured
 from batchrun.sampling_params import SamplingParams
 from batchrun.server.errors import bad_request, from_value_error
 
@@ -37,10 +38,11 @@ class _Common(BaseModel):
     top_k: StrictInt | None = None
     ignore_eos: StrictBool | None = None
     stop_token_ids: list[StrictInt] | None = None
+    response_format: dict | None = None   # OpenAI's on chat; accepted on completions too, as vLLM does
 
     def check_supported(self) -> None:
-        if self.n not in (None, 1):
-            raise bad_request(f"n: only n=1 is supported, got {self.n}", "n")
+        if self.stream and self.n not in (None, 1):
+            raise bad_request(f"n: n > 1 is supported without streaming only, got n={self.n} with stream=true", "n")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise bad_request(f"{name}: not supported by batchrun (use 0 or leave it out)", name)
@@ -51,12 +53,18 @@ class _Common(BaseModel):
 
     def sampling_params(self, max_tokens: int, logprobs: bool) -> SamplingParams:
         try:
+            constraint = structured.from_response_format(self.response_format)
+        except ValueError as exc:
+            raise from_value_error(exc) from exc
+        try:
             return SamplingParams(
                 max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, seed=self.seed,
                 stop=self.stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=bool(self.ignore_eos),
-                logprobs=logprobs)
+                logprobs=logprobs, n=1 if self.n is None else self.n, **constraint)
         except ValueError as exc:
+            if constraint and str(exc).split(":", 1)[0] in structured.KINDS:   # the schema inside response_format
+                raise bad_request(f"response_format: {exc}", "response_format") from exc
             raise from_value_error(exc) from exc
 
     @property
@@ -108,7 +116,6 @@ class ChatCompletionRequest(_Common):
     top_logprobs: StrictInt | None = None
     tools: list | None = None
     tool_choice: Any = None
-    response_format: dict | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -117,9 +124,6 @@ class ChatCompletionRequest(_Common):
                               "only (logprobs: true)", "top_logprobs")
         if self.tools:
             raise bad_request("tools: tool calling is not supported by batchrun", "tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request(f"response_format: only type 'text' is supported, "
-                              f"got {self.response_format.get('type')!r}", "response_format")
 
     @property
     def requested_max_tokens(self) -> int | None:
