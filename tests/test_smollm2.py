@@ -32,3 +32,23 @@ def test_chat_answer_is_sensible(smollm2):
     out = smollm2.chat([{"role": "user", "content": "What is the capital of France?"}],
                        SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)[0]
     assert "Paris" in out.text and out.finish_reason == "stop"
+
+
+def test_extraction_job_every_finished_row_validates(tmp_path):
+    import json
+    import shutil
+
+    import jsonschema
+
+    from batchrun import Job
+    root = Path(__file__).resolve().parents[1]
+    jobs = tmp_path / "jobs"
+    shutil.copytree(root / "jobs", jobs)
+    shutil.copytree(root / "sample_data", tmp_path / "sample_data")
+    schema = json.loads((jobs / "extract.schema.json").read_text())
+    rows = Job.from_yaml(str(jobs / "extract.yaml")).run(progress="log").table().to_pylist()
+    finished = [r for r in rows if r["finish_reason"] == "stop"]
+    assert len(finished) >= 4, [(r["finish_reason"], r["text"]) for r in rows]
+    for r in finished:
+        assert r["status"] == "ok", r["error"]
+        jsonschema.validate(json.loads(r["json"]), schema)
