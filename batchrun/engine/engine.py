@@ -18,7 +18,7 @@ from batchrun.engine.request import Request, RequestOutput
 from batchrun.engine.sampler import Sampler
 from batchrun.engine.scheduler import Lane, Scheduler, StepPlan, WaitingQueue, default_admission_key
 from batchrun.engine.stop import StopRule
-from batchrun.models.llama import LlamaForCausalLM
+from batchrun.models.registry import model_class
 from batchrun.sampling_params import SamplingParams
 
 log = logging.getLogger("batchrun")
@@ -56,7 +56,8 @@ class Engine:
         self.max_model_len = loader.max_model_len(self.hf_config, config.max_model_len)
 
         with torch.device("meta"):
-            self.model = LlamaForCausalLM(self.hf_config, get_backend(config.attention_backend, self.device))
+            model_cls = model_class(self.hf_config.model_type)
+            self.model = model_cls(self.hf_config, get_backend(config.attention_backend, self.device))
         self.model.load_state_dict(loader.load_weights(self.model_path, self.device, self.dtype,
                                                        self.model.checkpoint_plan), assign=True)
         self.model.init_rope(self.max_model_len, self.device, self.dtype)

@@ -33,7 +33,7 @@ class ModelRunner:
                              attn.head_dim, dtype, self.device) for num_blocks, dtype in pools]
         # int8 keeps one scale per token and head, so a few outlier channels cost the others precision: rotate
         # K/V first (fp8 is floating point, its relative error does not depend on outliers; measured no gain).
-        rotations = [quant.rotation(attn.head_dim, self.device, self.model.cos.dtype) if dtype == torch.int8
+        rotations = [quant.rotation(attn.head_dim, self.device, self.model.dtype) if dtype == torch.int8
                      else None for _, dtype in pools]
         for i, layer in enumerate(self.model.model.layers):
             layer.self_attn.kv_caches = [pool.layer(i) for pool in self.pools]

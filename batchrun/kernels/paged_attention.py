@@ -17,6 +17,7 @@ from batchrun.kernels.cache_write import NONE, quant_mode
 
 LOG2E = 1.4426950408889634
 SPLIT_MIN_TOKENS = 512      # a split-KV program gets at least this many tokens
+NO_WINDOW = 2**30           # the window argument of full attention (a run-time value: no recompile per window)
 
 
 @triton.jit
@@ -66,6 +67,7 @@ def _decode_kernel(
     context_lens_ptr, # [B] int32/int64, the query token included
     qk_scale,         # softmax scale * log2(e)
     split_len,        # tokens per split, a multiple of BLOCK_N
+    window,           # sliding window W: keys at positions >= context_len - W (2**30: all)
     stride_qb, stride_qh, stride_ob, stride_oh, stride_os,
     stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -79,6 +81,7 @@ def _decode_kernel(
     context_len = tl.load(context_lens_ptr + b)
     lo = split * split_len
     hi = tl.minimum(context_len, lo + split_len)
+    first = tl.maximum(context_len - window, 0)   # the oldest position inside the window
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, BLOCK_D)
     heads = kv_head * GROUP + g
@@ -88,9 +91,9 @@ def _decode_kernel(
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
+    for start in range(tl.maximum(lo, first // BLOCK_N * BLOCK_N), hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        valid = tl.broadcast_to((n < hi)[None, :], [GROUP_PAD, BLOCK_N])
+        valid = tl.broadcast_to(((n < hi) & (n >= first))[None, :], [GROUP_PAD, BLOCK_N])
         m, l, acc = _attend_tile(q, m, l, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
                                  block_tables_ptr + b * stride_bt, n, valid, kv_head, d, dmask, qk_scale,
                                  stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh,
@@ -124,7 +127,7 @@ def _reduce_splits_kernel(
     smask = s < NUM_SPLITS
     m = tl.load(m_ptr + row * NUM_SPLITS + s, mask=smask, other=float("-inf"))
     l = tl.load(l_ptr + row * NUM_SPLITS + s, mask=smask, other=0.0)
-    weight = tl.where(smask, tl.math.exp2(m - tl.max(m, axis=0)), 0.0)   # split 0 is never empty
+    weight = tl.where(smask, tl.math.exp2(m - tl.max(m, axis=0)), 0.0)   # the last split is never empty
     mask = smask[:, None] & (d < HEAD_DIM)[None, :]
     partial = tl.load(partial_ptr + (row * NUM_SPLITS + s[:, None]) * HEAD_DIM + d[None, :], mask=mask, other=0.0)
     out = tl.sum(partial * weight[:, None], axis=0) / tl.sum(l * weight, axis=0)
@@ -143,6 +146,7 @@ def _prefill_kernel(
     query_start_ptr,  # [R + 1] int32/int64: chunk r is query rows [query_start[r], query_start[r + 1])
     context_lens_ptr, # [R] int32/int64: request's tokens in the cache after this step, the chunk included
     qk_scale,         # softmax scale * log2(e)
+    window,           # sliding window W: row at position p sees keys p - W < n <= p (2**30: all)
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -167,9 +171,10 @@ def _prefill_kernel(
         l = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         hi = tl.minimum(context_len, context_len - q_len + (tile + 1) * BLOCK_M)
-        for start in range(0, hi, BLOCK_N):
+        lo = tl.maximum(context_len - q_len + tile * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+        for start in range(lo, hi, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
-            valid = (n[None, :] <= pos[:, None]) & (n < context_len)[None, :]
+            valid = (n[None, :] <= pos[:, None]) & (n[None, :] > pos[:, None] - window) & (n < context_len)[None, :]
             m, l, acc = _attend_tile(q, m, l, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
                                      block_tables_ptr + r * stride_bt, n, valid, head // GROUP, d, dmask, qk_scale,
                                      stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh,
@@ -220,9 +225,11 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                            max_len: int | None = None, num_splits: int | None = None, out: torch.Tensor | None = None,
-                           block_n: int | None = None, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                           block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                           window: int | None = None) -> torch.Tensor:
     """query [B, heads, d]; block_tables [B, max_blocks]; context_lens [B], the query token included -> [B, heads, d].
-    num_splits None: chosen from the batch and max_len (max_len None reads context_lens, a device sync)."""
+    num_splits None: chosen from the batch and max_len (max_len None reads context_lens, a device sync).
+    window W: only the last W positions are attended to."""
     mode = _check_cache(query, k_cache, v_cache, k_scale, v_scale)
     batch, heads, head_dim = query.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -242,7 +249,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     grid = (batch, kv_heads, num_splits)
     if num_splits == 1:
         _decode_kernel[grid](out, out, out, query, k_cache, v_cache, *scales, block_tables, context_lens, qk_scale,
-                             2**30, query.stride(0), query.stride(1), out.stride(0), out.stride(1), 0,
+                             2**30, window or NO_WINDOW, query.stride(0), query.stride(1), out.stride(0),
+                             out.stride(1), 0,
                              *cache_strides, block_tables.stride(0), SPLIT=False, **meta)
         return out
     if max_len is None:
@@ -252,7 +260,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     m = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=query.device)
     l = torch.empty_like(m)
     _decode_kernel[grid](partial, m, l, query, k_cache, v_cache, *scales, block_tables, context_lens, qk_scale,
-                         split_len, query.stride(0), query.stride(1), *partial.stride()[:3],
+                         split_len, window or NO_WINDOW, query.stride(0), query.stride(1), *partial.stride()[:3],
                          *cache_strides, block_tables.stride(0), SPLIT=True, **meta)
     _reduce_splits_kernel[(batch, heads)](out, partial, m, l, out.stride(0), out.stride(1), NUM_SPLITS=num_splits,
                                           SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
@@ -265,10 +273,11 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
                             scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                             max_query_len: int | None = None, out: torch.Tensor | None = None,
                             block_m: int | None = None, block_n: int | None = None, num_warps: int = 4,
-                            num_stages: int = 2) -> torch.Tensor:
+                            num_stages: int = 2, window: int | None = None) -> torch.Tensor:
     """Varlen prefill / mixed batch in one launch. query [T, heads, d]; chunk r is rows query_start[r] to
     query_start[r + 1] (query_start [R + 1], cu_seqlens), the last rows of its request's context_lens[r] tokens;
-    block_tables [R, max_blocks]. Rows outside every chunk are left as they are in `out` (default: empty)."""
+    block_tables [R, max_blocks]. Rows outside every chunk are left as they are in `out` (default: empty).
+    window W: a row at position p sees keys p - W < n <= p."""
     mode = _check_cache(query, k_cache, v_cache, k_scale, v_scale)
     num_chunks = block_tables.shape[0]
     heads, head_dim = query.shape[1:]
@@ -283,7 +292,8 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     scales = (k_scale, v_scale) if k_scale is not None else (k_cache, v_cache)
     grid = (num_chunks, triton.cdiv(max_query_len, block_m), heads)
     _prefill_kernel[grid](out, query, k_cache, v_cache, *scales, block_tables, query_start, context_lens, qk_scale,
-                          query.stride(0), query.stride(1), out.stride(0), out.stride(1), *cache_strides,
+                          window or NO_WINDOW, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+                          *cache_strides,
                           block_tables.stride(0), GROUP=heads // k_cache.shape[2], HEAD_DIM=head_dim,
                           BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=k_cache.shape[1],
                           BLOCK_M=block_m, BLOCK_N=block_n, QUANT=mode, DOT_PRECISION=precision,
