@@ -88,6 +88,11 @@ class Engine:
                              config.interactive_max_num_seqs,
                              max(1, int(config.max_num_batched_tokens * config.interactive_token_share)),
                              "interactive_kv_memory"))
+        # LongRoPE keys depend on the sequence's length, not only on its tokens: a cached prefix is not reusable.
+        prefix_caching = config.enable_prefix_caching and self.model.long_rope_after is None
+        if prefix_caching != config.enable_prefix_caching:
+            log.info("prefix caching: off for this model (LongRoPE keys change once a sequence outgrows %d tokens)",
+                     self.model.long_rope_after)
         lanes, pools = [], []
         for name, lane_bytes, dtype_name, max_seqs, token_cap, lane_field in specs:
             dtype = kv_cache.storage_dtype(dtype_name, self.dtype)
@@ -102,7 +107,7 @@ class Engine:
                      tokens * per_token / 2**30, label, per_token, tokens // self.max_model_len, self.max_model_len)
             if name == "batch":
                 self.kv_bytes_per_token = per_token
-            lanes.append(Lane(name, BlockManager(num_blocks, config.block_size, config.enable_prefix_caching),
+            lanes.append(Lane(name, BlockManager(num_blocks, config.block_size, prefix_caching),
                               max_seqs, token_cap, WaitingQueue(admission_key),
                               yield_cap=config.batch_tokens_while_interactive if name == "batch" else None))
             pools.append((num_blocks, dtype))

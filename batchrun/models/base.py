@@ -11,7 +11,7 @@ from torch import nn
 
 from batchrun.attention_metadata import Segment
 from batchrun.models.attention import Attention, AttentionOptions
-from batchrun.models.layers import GatedMLP, Linear, RMSNorm, rope_tables
+from batchrun.models.layers import GatedMLP, Linear, RMSNorm, longrope_switch, rope_tables
 
 
 class DecoderLayer(nn.Module):
@@ -60,6 +60,8 @@ class CausalLM(nn.Module):
                                                           self.norm_unit_offset))
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.rope_len = 0
+        self.long_rope_after = longrope_switch(config)
 
     # --- what a family may override ---
     def attention_options(self, layer: int) -> AttentionOptions:
@@ -92,8 +94,20 @@ class CausalLM(nn.Module):
         return all([m.pack_for_cpu() for m in self.modules() if isinstance(m, Linear)])
 
     def init_rope(self, max_len: int, device, dtype) -> None:
+        self.rope_len = max_len
         for key in {layer.self_attn.options.rope for layer in self.model.layers}:
             self.rope[key] = rope_tables(self.config, max_len, device, dtype, key)
+
+    def rope_offset(self, num_tokens: int) -> int:
+        """Added to the positions of a request of `num_tokens` tokens: LongRoPE's long rows follow the short ones."""
+        return self.rope_len if self.long_rope_after is not None and num_tokens > self.long_rope_after else 0
+
+    def must_recompute(self, num_computed: int, num_tokens: int) -> bool:
+        """True when a request grows past LongRoPE's original context with keys cached on the short factors (it
+        was prefilled within that context and decodes its first token beyond): the runner then recomputes it from
+        its first token, as transformers drops its cache at that point. A prompt longer than the context runs on
+        the long factors from its first chunk."""
+        return self.long_rope_after is not None and num_computed == self.long_rope_after == num_tokens - 1
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
                 logits_indices: torch.Tensor) -> torch.Tensor:

@@ -50,11 +50,18 @@ def rope_parameters(config, layer_type: str | None = None) -> dict:
     return params[layer_type] if layer_type in params else params
 
 
+def longrope_switch(config) -> int | None:
+    """LongRoPE's original context: a sequence longer than this runs on the long factors at every position (its
+    cached keys are recomputed when it grows past it, as transformers does); None for other RoPE types."""
+    params = rope_parameters(config)
+    return params.get("original_max_position_embeddings") if params.get("rope_type") == "longrope" else None
+
+
 def rope_tables(config, max_len: int, device, dtype, layer_type: str | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [max_len, rotary_dim] with transformers' RoPE variants (llama3, yarn, longrope, ...);
-    rotary_dim < head_dim under a partial_rotary_factor. LongRoPE: positions below original_max_position_embeddings
-    use the short factors, later positions the long ones (the switch transformers makes once a sequence is longer)."""
+    """cos, sin of shape [max_len, rotary_dim] with transformers' RoPE variants (llama3, yarn, ...); rotary_dim <
+    head_dim under a partial_rotary_factor. LongRoPE: [2 * max_len, rotary_dim], the short factors' rows, then the
+    long factors' rows (see `longrope_switch`)."""
     params = rope_parameters(config, layer_type)
     rope_type = params.get("rope_type", params.get("type", "default"))
     nested = layer_type if layer_type in (getattr(config, "rope_parameters", None) or {}) else None
@@ -69,9 +76,9 @@ def rope_tables(config, max_len: int, device, dtype, layer_type: str | None = No
         inv_freq, scaling = init(config, "cpu", layer_type=nested)
         freqs = torch.outer(positions, inv_freq.float())
         if rope_type == "longrope":
-            original = params["original_max_position_embeddings"]
-            long_inv_freq, _ = init(config, "cpu", seq_len=original + 1, layer_type=nested)
-            freqs[original:] = torch.outer(positions[original:], long_inv_freq.float())
+            long_inv_freq, _ = init(config, "cpu", seq_len=params["original_max_position_embeddings"] + 1,
+                                    layer_type=nested)
+            freqs = torch.cat([freqs, torch.outer(positions, long_inv_freq.float())])
     emb = torch.cat([freqs, freqs], dim=-1)
     return (emb.cos() * scaling).to(device, dtype), (emb.sin() * scaling).to(device, dtype)
 
