@@ -115,3 +115,18 @@ def test_longrope_prompt_longer_than_original_context(tmp_path):
     prompt = random_prompts([52], seed=5)[0]
     llm = LLM(model=str(tmp_path), block_size=4, kv_cache_memory="4MiB", max_num_batched_tokens=16)
     check(llm, [prompt], [reference(model, prompt, MAX_TOKENS)], logprobs=True)
+
+
+def test_triton_backend_sliding_window_layers(tmp_path):
+    """Gemma 3's alternating sliding and global layers on the Triton kernels (interpreted on CPU) match
+    transformers; Gemma 2's attention soft-capping is refused there with the fix named."""
+    pytest.importorskip("triton")
+    model = save_tiny_model(tmp_path, "gemma3_text", seed=1, **FAMILIES["gemma3"][1])
+    prompts = random_prompts([19, 30], seed=2)
+    llm = LLM(model=str(tmp_path), attention_backend="triton", block_size=8, kv_cache_memory="4MiB",
+              max_num_batched_tokens=16)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert [out.token_ids for out in outs] == [reference(model, p, 8)[0] for p in prompts]
+    save_tiny_model(tmp_path / "g2", "gemma2", seed=1, **FAMILIES["gemma2"][1])
+    with pytest.raises(ValueError, match="soft-capping, which this gemma2 model needs; use attention_backend 'torch'"):
+        LLM(model=str(tmp_path / "g2"), attention_backend="triton", block_size=8, kv_cache_memory="4MiB")

@@ -59,6 +59,7 @@ class TritonAttentionBackend:
 
     name = "triton"
     pads_decodes = False   # takes every decode request in one padded table
+    supports_softcap = False   # attention logit soft-capping (Gemma 2) runs on the torch backend only
 
     def __init__(self, device: torch.device):
         try:
@@ -82,10 +83,7 @@ class TritonAttentionBackend:
                 meta: AttentionMetadata, scale: float, window: int | None = None,
                 softcap: float | None = None) -> torch.Tensor:
         """query [T, heads, d], key/value [T, kv_heads, d] -> [T, heads, d]; `window` W: each query sees its
-        last W positions."""
-        if softcap is not None:
-            raise ValueError("attention_backend: the Triton kernels do not apply attention logit soft-capping "
-                             "(Gemma 2); use attention_backend 'torch'")
+        last W positions. `softcap` is refused when the model is built (supports_softcap)."""
         k, v, k_scale, v_scale = cache
         self._cache_write.write_kv_cache(key, value, k, v, meta.slot_mapping, k_scale, v_scale)
         step = self._step_tensors(meta, query.device)

@@ -44,8 +44,11 @@ def _attend_tile(q, m, l, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_pt
         s = s * qk_scale
     s = tl.where(valid, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
-    p = tl.math.exp2(s - m_new[:, None])
-    alpha = tl.math.exp2(m - m_new)
+    # A row with no valid key yet (a sliding window starting past this tile) keeps m = -inf: subtract 0 there,
+    # not -inf, so its p and alpha are 0 rather than NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m - m_safe)
     l = l * alpha + tl.sum(p, axis=1)
     if QUANT != 0:
         p = p * v_s[None, :]
