@@ -130,3 +130,16 @@ def test_triton_backend_sliding_window_layers(tmp_path):
     save_tiny_model(tmp_path / "g2", "gemma2", seed=1, **FAMILIES["gemma2"][1])
     with pytest.raises(ValueError, match="soft-capping, which this gemma2 model needs; use attention_backend 'torch'"):
         LLM(model=str(tmp_path / "g2"), attention_backend="triton", block_size=8, kv_cache_memory="4MiB")
+
+
+def test_generation_config_eos_ids_end_requests(tmp_path):
+    """Every id in generation_config.json's eos_token_id list ends a request (config.json names only one)."""
+    model = save_tiny_model(tmp_path, "qwen3", seed=1, **FAMILIES["qwen3"][1])
+    prompt = random_prompts([7], seed=3)[0]
+    tokens = reference(model, prompt, 8)[0]
+    stop_at = next(i for i in range(2, 8) if tokens[i] not in tokens[:i] and tokens[i] != model.config.eos_token_id)
+    model.generation_config.eos_token_id = [model.config.eos_token_id, tokens[stop_at]]
+    model.generation_config.save_pretrained(tmp_path)
+    out = LLM(model=str(tmp_path), kv_cache_memory="4MiB").generate(
+        [prompt], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and out.token_ids == tokens[:stop_at + 1]

@@ -128,6 +128,7 @@ class Engine:
     def _eos_token_ids(self) -> frozenset[int]:
         ids = getattr(self.hf_config, "eos_token_id", None)
         ids = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
+        ids |= loader.generation_eos_ids(self.model_path)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return frozenset(ids)

@@ -83,6 +83,20 @@ def load_config(path: str, trust_remote_code: bool = False):
     return config
 
 
+def generation_eos_ids(path: str) -> set[int]:
+    """The end-of-sequence ids in the model's generation_config.json (one id or a list; Llama 3 and Qwen chat
+    models list several), empty without the file."""
+    file = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(file):
+        return set()
+    with open(file) as f:
+        try:
+            ids = json.load(f).get("eos_token_id")
+        except (json.JSONDecodeError, AttributeError) as exc:
+            raise ValueError(f"model: {file} is not a JSON object ({exc})") from exc
+    return set(ids if isinstance(ids, list) else [] if ids is None else [ids])
+
+
 def max_model_len(hf_config, requested: int | None) -> int:
     """The context a run uses: the requested one, at most the model's (sliding-window layers apply their window
     inside it)."""
