@@ -117,19 +117,18 @@ def test_longrope_prompt_longer_than_original_context(tmp_path):
     check(llm, [prompt], [reference(model, prompt, MAX_TOKENS)], logprobs=True)
 
 
-def test_triton_backend_sliding_window_layers(tmp_path):
-    """Gemma 3's alternating sliding and global layers on the Triton kernels (interpreted on CPU) match
-    transformers; Gemma 2's attention soft-capping is refused there with the fix named."""
+def test_triton_backend_window_and_softcap(tmp_path):
+    """Gemma 2 (soft-capped attention) and Gemma 3 (alternating sliding and global layers, per-type RoPE) on the
+    Triton kernels (interpreted on CPU) match transformers."""
     pytest.importorskip("triton")
-    model = save_tiny_model(tmp_path, "gemma3_text", seed=1, **FAMILIES["gemma3"][1])
     prompts = random_prompts([19, 30], seed=2)
-    llm = LLM(model=str(tmp_path), attention_backend="triton", block_size=8, kv_cache_memory="4MiB",
-              max_num_batched_tokens=16)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
-    assert [out.token_ids for out in outs] == [reference(model, p, 8)[0] for p in prompts]
-    save_tiny_model(tmp_path / "g2", "gemma2", seed=1, **FAMILIES["gemma2"][1])
-    with pytest.raises(ValueError, match="soft-capping, which this gemma2 model needs; use attention_backend 'torch'"):
-        LLM(model=str(tmp_path / "g2"), attention_backend="triton", block_size=8, kv_cache_memory="4MiB")
+    for family in ("gemma2", "gemma3"):
+        model_type, overrides = FAMILIES[family]
+        model = save_tiny_model(tmp_path / family, model_type, seed=1, **overrides)
+        llm = LLM(model=str(tmp_path / family), attention_backend="triton", block_size=8, kv_cache_memory="4MiB",
+                  max_num_batched_tokens=16)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
+        assert [out.token_ids for out in outs] == [reference(model, p, 8)[0] for p in prompts], family
 
 
 def test_generation_config_eos_ids_end_requests(tmp_path):

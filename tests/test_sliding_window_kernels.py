@@ -78,18 +78,18 @@ def test_cpu_kernel_window_and_softcap(window, softcap):
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("window", [5, 16])
-def test_triton_kernels_window(window):
+@pytest.mark.parametrize("window,softcap", [(5, None), (16, 2.0), (None, 2.0)])
+def test_triton_kernels_window_and_softcap(window, softcap):
     pytest.importorskip("triton")
     from batchrun.kernels import paged_attention
     lens = [3, 13, 21, 40]
     k, v, _, tables = paged(lens, seed=2)
     context_lens = torch.tensor(lens)
     q = torch.randn(len(lens), HEADS, DIM)
-    want = reference.paged_decode_attention(q, k, v, tables, context_lens, 0.3, window=window)
+    want = reference.paged_decode_attention(q, k, v, tables, context_lens, 0.3, window=window, softcap=softcap)
     for splits in (1, 2):   # with 2 splits, the first is wholly outside the window for the longer requests
         got = paged_attention.paged_decode_attention(q, k, v, tables, context_lens, 0.3, num_splits=splits,
-                                                     window=window, block_n=16)
+                                                     window=window, softcap=softcap, block_n=16)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     # prefill: chunks (query rows, context) of a whole prompt, one after a cached prefix, one decode row
     chunks = [(13, 13), (9, 21), (1, 40)]
@@ -99,7 +99,8 @@ def test_triton_kernels_window(window):
     prefill_tables = tables[1:]
     got = paged_attention.paged_prefill_attention(q, k, v, prefill_tables, starts,
                                                   torch.tensor([c[1] for c in chunks], dtype=torch.int32), 0.3,
-                                                  window=window, block_m=16, block_n=16)
+                                                  window=window, softcap=softcap, block_m=16, block_n=16)
     want = torch.cat([reference.paged_prefill_attention(q[starts[r]:starts[r + 1]], k, v, prefill_tables[r], ctx,
-                                                        0.3, window=window) for r, (_, ctx) in enumerate(chunks)])
+                                                        0.3, window=window, softcap=softcap)
+                      for r, (_, ctx) in enumerate(chunks)])
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

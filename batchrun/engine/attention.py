@@ -14,7 +14,6 @@ class TorchAttentionBackend:
     padding stays small). Prefill chunks one request at a time (few per step)."""
 
     name = "torch"
-    supports_softcap = True
 
     def __init__(self, device: torch.device):
         self.workspace = reference.Workspace()   # shared by all layers: one backend object per model

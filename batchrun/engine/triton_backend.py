@@ -59,7 +59,6 @@ class TritonAttentionBackend:
 
     name = "triton"
     pads_decodes = False   # takes every decode request in one padded table
-    supports_softcap = False   # attention logit soft-capping (Gemma 2) runs on the torch backend only
 
     def __init__(self, device: torch.device):
         try:
@@ -83,7 +82,7 @@ class TritonAttentionBackend:
                 meta: AttentionMetadata, scale: float, window: int | None = None,
                 softcap: float | None = None) -> torch.Tensor:
         """query [T, heads, d], key/value [T, kv_heads, d] -> [T, heads, d]; `window` W: each query sees its
-        last W positions. `softcap` is refused when the model is built (supports_softcap)."""
+        last W positions; `softcap` c: scores become c * tanh(scores / c)."""
         k, v, k_scale, v_scale = cache
         self._cache_write.write_kv_cache(key, value, k, v, meta.slot_mapping, k_scale, v_scale)
         step = self._step_tensors(meta, query.device)
@@ -92,9 +91,10 @@ class TritonAttentionBackend:
             rows = slice(0, step.decode_tables.shape[0])
             self._attention.paged_decode_attention(query[rows], k, v, step.decode_tables, step.decode_lens, scale,
                                                    k_scale, v_scale, max_len=step.decode_max_len, out=out[rows],
-                                                   window=window)
+                                                   window=window, softcap=softcap)
         if step.prefill_tables is not None:
             self._attention.paged_prefill_attention(query, k, v, step.prefill_tables, step.query_start,
                                                     step.prefill_lens, scale, k_scale, v_scale,
-                                                    max_query_len=step.max_query_len, out=out, window=window)
+                                                    max_query_len=step.max_query_len, out=out, window=window,
+                                                    softcap=softcap)
         return out

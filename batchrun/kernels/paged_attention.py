@@ -22,10 +22,12 @@ NO_WINDOW = 2**30           # the window argument of full attention (a run-time 
 
 @triton.jit
 def _attend_tile(q, m, l, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_row_ptr, n, valid,
-                 kv_head, d, dmask, qk_scale, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh,
-                 BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 kv_head, d, dmask, qk_scale, softcap, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss,
+                 stride_sh, BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 SOFTCAP: tl.constexpr):
     """One online-softmax step over keys n [BLOCK_N] of one request; valid [M, BLOCK_N] masks scores.
-    q [M, BLOCK_D] (compute dtype), m/l [M] and acc [M, BLOCK_D] float32."""
+    q [M, BLOCK_D] (compute dtype), m/l [M] and acc [M, BLOCK_D] float32. SOFTCAP: scaled scores x become
+    softcap * tanh(x / softcap)."""
     nmask = tl.max(valid.to(tl.int32), axis=0) > 0
     block = tl.load(block_row_ptr + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
     offset = n % BLOCK_SIZE
@@ -42,6 +44,9 @@ def _attend_tile(q, m, l, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_pt
         s = s * (k_s * qk_scale)[None, :]
     else:
         s = s * qk_scale
+    if SOFTCAP:   # s is x * log2(e); tanh(y) = 1 - 2 / (exp(2y) + 1), which saturates cleanly at +-1
+        y = s / (LOG2E * softcap)
+        s = (1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)) * (softcap * LOG2E)
     s = tl.where(valid, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     # A row with no valid key yet (a sliding window starting past this tile) keeps m = -inf: subtract 0 there,
@@ -71,11 +76,12 @@ def _decode_kernel(
     qk_scale,         # softmax scale * log2(e)
     split_len,        # tokens per split, a multiple of BLOCK_N
     window,           # sliding window W: keys at positions >= context_len - W (2**30: all)
+    softcap,          # attention logit soft-cap (read only when SOFTCAP)
     stride_qb, stride_qh, stride_ob, stride_oh, stride_os,
     stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Program (request b, KV head, split): all GROUP query heads of the KV head against keys of the split."""
     b = tl.program_id(0).to(tl.int64)
@@ -98,9 +104,9 @@ def _decode_kernel(
         n = start + tl.arange(0, BLOCK_N)
         valid = tl.broadcast_to(((n < hi) & (n >= first))[None, :], [GROUP_PAD, BLOCK_N])
         m, l, acc = _attend_tile(q, m, l, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                                 block_tables_ptr + b * stride_bt, n, valid, kv_head, d, dmask, qk_scale,
+                                 block_tables_ptr + b * stride_bt, n, valid, kv_head, d, dmask, qk_scale, softcap,
                                  stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh,
-                                 BLOCK_SIZE, QUANT, DOT_PRECISION)
+                                 BLOCK_SIZE, QUANT, DOT_PRECISION, SOFTCAP)
     if SPLIT:
         out = out_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
         tl.store(out, acc, mask=qmask)
@@ -150,10 +156,12 @@ def _prefill_kernel(
     context_lens_ptr, # [R] int32/int64: request's tokens in the cache after this step, the chunk included
     qk_scale,         # softmax scale * log2(e)
     window,           # sliding window W: row at position p sees keys p - W < n <= p (2**30: all)
+    softcap,          # attention logit soft-cap (read only when SOFTCAP)
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Program (chunk r, query tile, head): BLOCK_M query rows of the chunk against the request's keys up to
     each row's position (the cached prefix and causally within the chunk)."""
@@ -180,8 +188,8 @@ def _prefill_kernel(
             valid = (n[None, :] <= pos[:, None]) & (n[None, :] > pos[:, None] - window) & (n < context_len)[None, :]
             m, l, acc = _attend_tile(q, m, l, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
                                      block_tables_ptr + r * stride_bt, n, valid, head // GROUP, d, dmask, qk_scale,
-                                     stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh,
-                                     BLOCK_SIZE, QUANT, DOT_PRECISION)
+                                     softcap, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh,
+                                     BLOCK_SIZE, QUANT, DOT_PRECISION, SOFTCAP)
         out = out_ptr + (q_start + i)[:, None] * stride_ot + head * stride_oh + d[None, :]
         tl.store(out, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=qmask)
 
@@ -229,10 +237,10 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                            max_len: int | None = None, num_splits: int | None = None, out: torch.Tensor | None = None,
                            block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
-                           window: int | None = None) -> torch.Tensor:
+                           window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """query [B, heads, d]; block_tables [B, max_blocks]; context_lens [B], the query token included -> [B, heads, d].
     num_splits None: chosen from the batch and max_len (max_len None reads context_lens, a device sync).
-    window W: only the last W positions are attended to."""
+    window W: only the last W positions are attended to; softcap c: scores become c * tanh(scores / c)."""
     mode = _check_cache(query, k_cache, v_cache, k_scale, v_scale)
     batch, heads, head_dim = query.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -248,11 +256,12 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     scales = (k_scale, v_scale) if k_scale is not None else (k_cache, v_cache)   # dummies, never read
     meta = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
                 BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size, BLOCK_N=block_n,
-                QUANT=mode, DOT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages)
+                QUANT=mode, DOT_PRECISION=precision, SOFTCAP=softcap is not None, num_warps=num_warps,
+                num_stages=num_stages)
     grid = (batch, kv_heads, num_splits)
     if num_splits == 1:
         _decode_kernel[grid](out, out, out, query, k_cache, v_cache, *scales, block_tables, context_lens, qk_scale,
-                             2**30, window or NO_WINDOW, query.stride(0), query.stride(1), out.stride(0),
+                             2**30, window or NO_WINDOW, softcap or 0.0, query.stride(0), query.stride(1), out.stride(0),
                              out.stride(1), 0,
                              *cache_strides, block_tables.stride(0), SPLIT=False, **meta)
         return out
@@ -263,7 +272,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     m = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=query.device)
     l = torch.empty_like(m)
     _decode_kernel[grid](partial, m, l, query, k_cache, v_cache, *scales, block_tables, context_lens, qk_scale,
-                         split_len, window or NO_WINDOW, query.stride(0), query.stride(1), *partial.stride()[:3],
+                         split_len, window or NO_WINDOW, softcap or 0.0, query.stride(0), query.stride(1), *partial.stride()[:3],
                          *cache_strides, block_tables.stride(0), SPLIT=True, **meta)
     _reduce_splits_kernel[(batch, heads)](out, partial, m, l, out.stride(0), out.stride(1), NUM_SPLITS=num_splits,
                                           SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
@@ -276,11 +285,12 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
                             scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                             max_query_len: int | None = None, out: torch.Tensor | None = None,
                             block_m: int | None = None, block_n: int | None = None, num_warps: int = 4,
-                            num_stages: int = 2, window: int | None = None) -> torch.Tensor:
+                            num_stages: int = 2, window: int | None = None, softcap: float | None = None
+                            ) -> torch.Tensor:
     """Varlen prefill / mixed batch in one launch. query [T, heads, d]; chunk r is rows query_start[r] to
     query_start[r + 1] (query_start [R + 1], cu_seqlens), the last rows of its request's context_lens[r] tokens;
     block_tables [R, max_blocks]. Rows outside every chunk are left as they are in `out` (default: empty).
-    window W: a row at position p sees keys p - W < n <= p."""
+    window W: a row at position p sees keys p - W < n <= p; softcap c: scores become c * tanh(scores / c)."""
     mode = _check_cache(query, k_cache, v_cache, k_scale, v_scale)
     num_chunks = block_tables.shape[0]
     heads, head_dim = query.shape[1:]
@@ -295,10 +305,11 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     scales = (k_scale, v_scale) if k_scale is not None else (k_cache, v_cache)
     grid = (num_chunks, triton.cdiv(max_query_len, block_m), heads)
     _prefill_kernel[grid](out, query, k_cache, v_cache, *scales, block_tables, query_start, context_lens, qk_scale,
-                          window or NO_WINDOW, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+                          window or NO_WINDOW, softcap or 0.0, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                           *cache_strides,
                           block_tables.stride(0), GROUP=heads // k_cache.shape[2], HEAD_DIM=head_dim,
                           BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=k_cache.shape[1],
                           BLOCK_M=block_m, BLOCK_N=block_n, QUANT=mode, DOT_PRECISION=precision,
+                          SOFTCAP=softcap is not None,
                           num_warps=num_warps, num_stages=num_stages)
     return out

@@ -37,9 +37,6 @@ class Attention(nn.Module):
                             else (self.q_size, self.kv_size))
             self.q_norm = RMSNorm(q_dim, config.rms_norm_eps, options.norm_unit_offset)
             self.k_norm = RMSNorm(k_dim, config.rms_norm_eps, options.norm_unit_offset)
-        if options.softcap is not None and not backend.supports_softcap:
-            raise ValueError(f"attention_backend: {backend.name!r} does not apply attention logit soft-capping, "
-                             f"which this {config.model_type} model needs; use attention_backend 'torch'")
         self.options = options
         self.scale = options.scale or self.head_dim ** -0.5
         self.backend = backend
