@@ -5,7 +5,8 @@
 A Qwen3-MoE-shaped model with random weights (8 experts, top-2, q/k norms), float32 on both sides. batchrun: the
 median time of an engine step while all `batch` requests decode (scheduling, the forward over the paged cache,
 sampling). transformers: the median time of one forward of the batch's next tokens over its KV cache (greedy
-argmax fed back), no generate() overhead. Prints the CPU model and the ratio (transformers / batchrun).
+argmax fed back), no generate() overhead. The two alternate step by step. Prints the CPU model and the ratio
+(transformers / batchrun).
 """
 import argparse
 import statistics
@@ -38,40 +39,44 @@ def main():
           f"{args.layers} layers, 8 experts top-2, batch {args.batch}, prompt {args.prompt}, float32")
     with tempfile.TemporaryDirectory() as path:
         model.save_pretrained(path, safe_serialization=True)
-        ours = batchrun_step(path, prompts, args.steps)
-    theirs = transformers_step(model, prompts, args.steps)
+        llm = LLM(model=path, dtype="float32", kv_cache_memory="1GiB", max_num_seqs=args.batch,
+                  max_num_batched_tokens=max(2048, args.batch * args.prompt))
+    ours, theirs = [], []
+    with torch.inference_mode():
+        steps = batchrun_decode_steps(llm, prompts, args.steps)
+        forwards = transformers_decode_steps(model, prompts, args.steps)
+        # Alternate the two, step by step, so that a shared machine's load drifts over both alike.
+        for _ in range(args.steps):
+            ours.append(next(steps))
+            theirs.append(next(forwards))
+    ours, theirs = statistics.median(ours), statistics.median(theirs)
     print(f"batchrun engine step   median {ours * 1e3:8.2f} ms")
     print(f"transformers forward   median {theirs * 1e3:8.2f} ms")
     print(f"ratio transformers / batchrun: {theirs / ours:.2f}x")
 
 
-def batchrun_step(path: str, prompts: list[list[int]], steps: int) -> float:
-    llm = LLM(model=path, dtype="float32", kv_cache_memory="1GiB", max_num_seqs=len(prompts),
-              max_num_batched_tokens=max(2048, len(prompts) * len(prompts[0])))
+def batchrun_decode_steps(llm, prompts: list[list[int]], steps: int):
+    """Yields the time of each engine step in which every request decodes one token."""
     params = SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True)
     for prompt in prompts:
         llm.add_request(prompt, params)
-    engine, times = llm.engine, []
-    while len(times) < steps:
+    stats = llm.engine.stats
+    while True:
         start = time.perf_counter()
         llm.step()
         elapsed = time.perf_counter() - start
-        if engine.stats.scheduled_tokens == engine.stats.scheduled_seqs == len(prompts):   # all decode one token
-            times.append(elapsed)
-    return statistics.median(times)
+        if stats.scheduled_tokens == stats.scheduled_seqs == len(prompts):
+            yield elapsed
 
 
-@torch.inference_mode()
-def transformers_step(model, prompts: list[list[int]], steps: int) -> float:
+def transformers_decode_steps(model, prompts: list[list[int]], steps: int):
+    """Yields the time of each forward of the batch's next tokens over its KV cache (greedy argmax fed back)."""
     out = model(torch.tensor(prompts), use_cache=True)
-    cache, times = out.past_key_values, []
-    tokens = out.logits[:, -1].argmax(-1, keepdim=True)
-    for _ in range(steps):
+    while True:
+        tokens = out.logits[:, -1].argmax(-1, keepdim=True)
         start = time.perf_counter()
-        out = model(tokens, past_key_values=cache, use_cache=True)
-        times.append(time.perf_counter() - start)
-        cache, tokens = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-    return statistics.median(times)
+        out = model(tokens, past_key_values=out.past_key_values, use_cache=True)
+        yield time.perf_counter() - start
 
 
 if __name__ == "__main__":

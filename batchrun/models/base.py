@@ -91,7 +91,7 @@ class CausalLM(nn.Module):
 
     def pack_for_cpu(self) -> bool:
         """Pre-pack every projection's weight for oneDNN (CPU only); False where this torch cannot."""
-        return all([m.pack_for_cpu() for m in self.modules() if isinstance(m, Linear)])
+        return all([m.pack_for_cpu() for m in self.modules() if m is not self and hasattr(m, "pack_for_cpu")])
 
     def init_rope(self, max_len: int, device, dtype) -> None:
         self.rope_len = max_len

@@ -15,15 +15,39 @@ from torch import nn
 
 from batchrun.models.attention import AttentionOptions
 from batchrun.models.base import CausalLM, checkpoint_plan
+from batchrun.models import cpu_gemm
 from batchrun.models.layers import ACTIVATIONS, GatedMLP, Linear, activation
 
 
 class Experts(nn.Module):
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+    """The experts' weights, stacked; `project(expert, rows)` runs one expert's gated MLP on its rows."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act_and_mul):
         super().__init__()
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts * 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts * hidden_size, intermediate_size))
+        self.act_and_mul = act_and_mul
+        self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [2I, H], down [H, I]) of one expert: views into the stacks."""
+        i, h = self.intermediate_size, self.hidden_size
+        return (self.gate_up_proj[expert * 2 * i:(expert + 1) * 2 * i],
+                self.down_proj[expert * h:(expert + 1) * h])
+
+    def pack_for_cpu(self) -> bool:
+        """oneDNN-packed copies of each expert's two matrices (about 25% faster at decode's few rows per expert)."""
+        packed = [tuple(cpu_gemm.pack(w) for w in self.weights(e)) for e in range(self.num_experts)]
+        self.packed = packed if all(p is not None for pair in packed for p in pair) else None
+        return self.packed is not None
+
+    def project(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            gate_up, down = self.packed[expert]
+            return cpu_gemm.linear(self.act_and_mul(cpu_gemm.linear(rows, gate_up, None)), down, None)
+        gate_up, down = self.weights(expert)
+        return F.linear(self.act_and_mul(F.linear(rows, gate_up)), down)
 
 
 class SparseMoE(nn.Module):
@@ -33,10 +57,11 @@ class SparseMoE(nn.Module):
     def __init__(self, config, num_experts: int, top_k: int, intermediate_size: int, normalize: bool):
         super().__init__()
         self.gate = Linear(config.hidden_size, num_experts, bias=False)
-        self.experts = Experts(num_experts, config.hidden_size, intermediate_size)
+        # Eager activation: per expert the rows are few, and a compiled call's guards (~0.2 ms) cost more than
+        # fusion saves.
+        self.experts = Experts(num_experts, config.hidden_size, intermediate_size,
+                               ACTIVATIONS[activation(config)].eager)
         self.top_k, self.normalize = top_k, normalize
-        # Eager: per expert the rows are few, and a compiled call's guards (~0.2 ms) cost more than fusion saves.
-        self.act_and_mul = ACTIVATIONS[activation(config)].eager
         self.expert_products = 0   # experts run so far (each one gate_up and one down product): grouping shows here
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -51,14 +76,11 @@ class SparseMoE(nn.Module):
         counts = torch.bincount(flat, minlength=self.experts.num_experts).tolist()
         rows = x[tokens]
         out = torch.empty_like(rows)
-        stack = self.experts
-        gate_up = stack.gate_up_proj.view(stack.num_experts, 2 * stack.intermediate_size, stack.hidden_size)
-        down = stack.down_proj.view(stack.num_experts, stack.hidden_size, stack.intermediate_size)
         start = 0
         for expert, count in enumerate(counts):
             if count:
                 part = slice(start, start + count)
-                out[part] = F.linear(self.act_and_mul(F.linear(rows[part], gate_up[expert])), down[expert])
+                out[part] = self.experts.project(expert, rows[part])
                 self.expert_products += 1
                 start += count
         out *= weights.flatten()[order].to(out.dtype)[:, None]
