@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchrun.models import cpu_gemm
 from batchrun.models.attention import AttentionOptions
 from batchrun.models.base import CausalLM, checkpoint_plan
-from batchrun.models import cpu_gemm
 from batchrun.models.layers import ACTIVATIONS, GatedMLP, Linear, activation
 
 
