@@ -9,7 +9,7 @@ import torch
 
 from batchrun import LLM, SamplingParams
 from batchrun.models.moe import SparseMoE
-from conftest import VOCAB, random_prompts, save_tiny_model
+from conftest import VOCAB, random_prompts, save_tiny_model, tiny_config
 
 WINDOW = 12
 MAX_TOKENS = 32
@@ -142,3 +142,25 @@ def test_generation_config_eos_ids_end_requests(tmp_path):
     out = LLM(model=str(tmp_path), kv_cache_memory="4MiB").generate(
         [prompt], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)[0]
     assert out.finish_reason == "stop" and out.token_ids == tokens[:stop_at + 1]
+
+
+def test_moe_block_matches_per_token_loop():
+    """The grouped experts, unpacked and oneDNN-packed, against a plain loop over tokens and their top-k."""
+    torch.manual_seed(0)
+    config = tiny_config("mixtral", num_local_experts=4, num_experts_per_tok=2)
+    moe = SparseMoE(config, 4, 2, config.intermediate_size, normalize=True)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(9, config.hidden_size)
+    want = torch.zeros_like(x)
+    for t in range(len(x)):
+        probs = torch.softmax(moe.gate.weight @ x[t], -1)
+        top = probs.topk(2)
+        for weight, e in zip(top.values / top.values.sum(), top.indices.tolist()):
+            gate_up, down = moe.experts.weights(e)
+            gate, up = (gate_up @ x[t]).chunk(2)
+            want[t] += weight * (down @ (torch.nn.functional.silu(gate) * up))
+    with torch.inference_mode():
+        torch.testing.assert_close(moe(x), want, rtol=1e-5, atol=1e-5)
+        if moe.experts.pack_for_cpu():
+            torch.testing.assert_close(moe(x), want, rtol=1e-5, atol=1e-5)
