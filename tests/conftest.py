@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
 # Exactness tests compare with transformers in float32: `dtype: auto` must not pick bfloat16 on a CPU with native
@@ -30,7 +30,8 @@ def tiny_config(model_type: str = "llama", **overrides):
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   initializer_range=0.2, eos_token_id=2, bos_token_id=1, tie_word_embeddings=False)
     common.update(overrides)
-    return {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[model_type](**common)
+    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}
+    return classes[model_type](**common) if model_type in classes else AutoConfig.for_model(model_type, **common)
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from batchrun.models import cpu_gemm
-from batchrun.models.llama import Linear
+from batchrun.models.layers import Linear
 
 
 def test_packed_linear_matches_unpacked():

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from batchrun.engine import loader
-from batchrun.models.llama import checkpoint_plan
+from batchrun.models.base import checkpoint_plan
 
 
 def test_weights_match_safetensors_and_are_fused_and_cast(tiny_model):

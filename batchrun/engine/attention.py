@@ -22,8 +22,10 @@ class TorchAttentionBackend:
         self.pads_decodes = self.kernel is None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: LayerCache,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """query [T, heads, d], key/value [T, kv_heads, d] -> [T, heads, d]."""
+                meta: AttentionMetadata, scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
+        """query [T, heads, d], key/value [T, kv_heads, d] -> [T, heads, d]; `window` W: each query sees its
+        last W positions; `softcap` c: scores become c * tanh(scores / c)."""
         k, v, k_scale, v_scale = cache
         reference.write_kv_cache(key, value, k, v, meta.slot_mapping, k_scale, v_scale)
         out = torch.empty_like(query)
@@ -31,18 +33,19 @@ class TorchAttentionBackend:
             if self.kernel is not None:
                 out[group.start:group.end] = cpu_attention.paged_decode_attention(
                     query[group.start:group.end], k, v, group.block_tables, group.context_lens, scale, k_scale,
-                    v_scale)
+                    v_scale, window, softcap)
                 continue
             out[group.start:group.end] = reference.paged_decode_attention(
                 query[group.start:group.end], k, v, group.block_tables, group.context_lens, scale, k_scale, v_scale,
-                group.max_len, self.workspace)
+                group.max_len, self.workspace, window, softcap)
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             if chunk.query_len == chunk.context_len and k.dtype == key.dtype:
                 # Nothing cached before the chunk and the cache stores K/V as computed: the fresh K/V are exactly
                 # what a gather would read back, without the copy.
-                out[rows] = reference.causal_attention(query[rows], key[rows], value[rows], scale)
+                out[rows] = reference.causal_attention(query[rows], key[rows], value[rows], scale, window,
+                                                        softcap)
                 continue
             out[rows] = reference.paged_prefill_attention(query[rows], k, v, chunk.block_table, chunk.context_len,
-                                                          scale, k_scale, v_scale)
+                                                          scale, k_scale, v_scale, window, softcap)
         return out

@@ -19,7 +19,7 @@ from batchrun.engine.request import Request, RequestOutput
 from batchrun.engine.sampler import Sampler
 from batchrun.engine.scheduler import Lane, Scheduler, StepPlan, WaitingQueue, default_admission_key
 from batchrun.engine.stop import StopRule
-from batchrun.models.llama import LlamaForCausalLM
+from batchrun.models.registry import model_class
 from batchrun.sampling_params import SamplingParams
 from batchrun.structured import GrammarCompiler
 
@@ -58,7 +58,8 @@ class Engine:
         self.max_model_len = loader.max_model_len(self.hf_config, config.max_model_len)
 
         with torch.device("meta"):
-            self.model = LlamaForCausalLM(self.hf_config, get_backend(config.attention_backend, self.device))
+            model_cls = model_class(self.hf_config.model_type)
+            self.model = model_cls(self.hf_config, get_backend(config.attention_backend, self.device))
         self.model.load_state_dict(loader.load_weights(self.model_path, self.device, self.dtype,
                                                        self.model.checkpoint_plan), assign=True)
         self.model.init_rope(self.max_model_len, self.device, self.dtype)
@@ -90,6 +91,11 @@ class Engine:
                              config.interactive_max_num_seqs,
                              max(1, int(config.max_num_batched_tokens * config.interactive_token_share)),
                              "interactive_kv_memory"))
+        # LongRoPE keys depend on the sequence's length, not only on its tokens: a cached prefix is not reusable.
+        prefix_caching = config.enable_prefix_caching and self.model.long_rope_after is None
+        if prefix_caching != config.enable_prefix_caching:
+            log.info("prefix caching: off for this model (LongRoPE keys change once a sequence outgrows %d tokens)",
+                     self.model.long_rope_after)
         lanes, pools = [], []
         for name, lane_bytes, dtype_name, max_seqs, token_cap, lane_field in specs:
             dtype = kv_cache.storage_dtype(dtype_name, self.dtype)
@@ -104,7 +110,7 @@ class Engine:
                      tokens * per_token / 2**30, label, per_token, tokens // self.max_model_len, self.max_model_len)
             if name == "batch":
                 self.kv_bytes_per_token = per_token
-            lanes.append(Lane(name, BlockManager(num_blocks, config.block_size, config.enable_prefix_caching),
+            lanes.append(Lane(name, BlockManager(num_blocks, config.block_size, prefix_caching),
                               max_seqs, token_cap, WaitingQueue(admission_key),
                               yield_cap=config.batch_tokens_while_interactive if name == "batch" else None))
             pools.append((num_blocks, dtype))
@@ -125,6 +131,7 @@ class Engine:
     def _eos_token_ids(self) -> frozenset[int]:
         ids = getattr(self.hf_config, "eos_token_id", None)
         ids = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
+        ids |= loader.generation_eos_ids(self.model_path)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return frozenset(ids)

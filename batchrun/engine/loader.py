@@ -77,21 +77,30 @@ def _convert_embedded(name: str) -> Path:
 
 def load_config(path: str, trust_remote_code: bool = False):
     from transformers import AutoConfig
-    from batchrun.models.llama import SUPPORTED_MODEL_TYPES
+    from batchrun.models.registry import model_class
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model: architecture {config.model_type!r} is not supported; "
-                         f"supported model_type values: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    model_class(config.model_type)   # refuses an unsupported model_type before any weight is read
     return config
 
 
+def generation_eos_ids(path: str) -> set[int]:
+    """The end-of-sequence ids in the model's generation_config.json (one id or a list; Llama 3 and Qwen chat
+    models list several), empty without the file."""
+    file = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(file):
+        return set()
+    with open(file) as f:
+        try:
+            ids = json.load(f).get("eos_token_id")
+        except (json.JSONDecodeError, AttributeError) as exc:
+            raise ValueError(f"model: {file} is not a JSON object ({exc})") from exc
+    return set(ids if isinstance(ids, list) else [] if ids is None else [ids])
+
+
 def max_model_len(hf_config, requested: int | None) -> int:
-    """The context a run uses: the requested one, at most the model's (and its sliding window, which full attention
-    matches only up to the window)."""
+    """The context a run uses: the requested one, at most the model's (sliding-window layers apply their window
+    inside it)."""
     limit = getattr(hf_config, "max_position_embeddings", 4096)
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True):
-        limit = min(limit, window)
     if requested and requested > limit:
         raise ValueError(f"max_model_len: {requested} exceeds the model's context of {limit}")
     return requested or limit

@@ -33,7 +33,7 @@ class ModelRunner:
                              attn.head_dim, dtype, self.device) for num_blocks, dtype in pools]
         # int8 keeps one scale per token and head, so a few outlier channels cost the others precision: rotate
         # K/V first (fp8 is floating point, its relative error does not depend on outliers; measured no gain).
-        rotations = [quant.rotation(attn.head_dim, self.device, self.model.cos.dtype) if dtype == torch.int8
+        rotations = [quant.rotation(attn.head_dim, self.device, self.model.dtype) if dtype == torch.int8
                      else None for _, dtype in pools]
         for i, layer in enumerate(self.model.model.layers):
             layer.self_attn.kv_caches = [pool.layer(i) for pool in self.pools]
@@ -81,29 +81,36 @@ class ModelRunner:
         return DecodeGroup(start, end, torch.tensor([t + [0] * (width - len(t)) for t in tables], device=self.device),
                            torch.tensor(lens, device=self.device), max(lens))
 
+    def _span(self, request: Request, n: int) -> tuple[Request, int, int]:
+        """(request, first position, tokens) to compute: the planned n tokens, or the whole request again where the
+        model's cached keys no longer hold (LongRoPE past its original context; the blocks are already allocated)."""
+        if self.model.must_recompute(request.num_computed_tokens, request.num_tokens):
+            return request, 0, request.num_tokens
+        return request, request.num_computed_tokens, n
+
     @torch.inference_mode()
     def run(self, plan: StepPlan, pool_of: Callable[[Request], int]) -> tuple[torch.Tensor, list[Request]]:
         """Forward the planned tokens; returns logits [S, vocab] for the S requests that sample this step."""
         input_ids, positions, sample_rows, sample_reqs, segments = [], [], [], [], []
         for pool in sorted({pool_of(r) for r, _ in plan.scheduled}):
-            scheduled = [(r, n) for r, n in plan.scheduled if pool_of(r) == pool]
+            scheduled = [self._span(r, n) for r, n in plan.scheduled if pool_of(r) == pool]
             # Decodes (one new token) first, by context length, so their rows form a few vectorised groups.
-            decodes = sorted(((r, n) for r, n in scheduled if n == 1), key=lambda rn: rn[0].num_computed_tokens)
-            prefills = [(r, n) for r, n in scheduled if n > 1]
+            decodes = sorted(((r, s, n) for r, s, n in scheduled if n == 1), key=lambda rsn: rsn[1])
+            prefills = [(r, s, n) for r, s, n in scheduled if n > 1]
             seg_start, slots, chunks = len(input_ids), [], []
-            for request, n in decodes + prefills:
-                start = request.num_computed_tokens
+            for request, start, n in decodes + prefills:
                 if n > 1:
                     chunks.append(PrefillChunk(len(input_ids) - seg_start, n, start + n,
                                                torch.tensor(request.block_table, device=self.device)))
                 input_ids.extend(request.token_ids[start:start + n])
-                positions.extend(range(start, start + n))
+                offset = self.model.rope_offset(request.num_tokens)
+                positions.extend(range(start + offset, start + n + offset))
                 slots.extend(self._slots(request, start, start + n))
                 if start + n == request.num_tokens:
                     sample_rows.append(len(input_ids) - 1)
                     sample_reqs.append(request)
             meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=self.device),
-                                     decode_groups=self._decode_groups([r for r, _ in decodes]), prefills=chunks)
+                                     decode_groups=self._decode_groups([r for r, _, _ in decodes]), prefills=chunks)
             segments.append(Segment(seg_start, len(input_ids), pool, meta))
         logits = self.model(torch.tensor(input_ids, device=self.device),
                             torch.tensor(positions, device=self.device), segments,

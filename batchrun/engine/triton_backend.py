@@ -79,8 +79,10 @@ class TritonAttentionBackend:
         return meta.triton_step
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: LayerCache,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """query [T, heads, d], key/value [T, kv_heads, d] -> [T, heads, d]."""
+                meta: AttentionMetadata, scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
+        """query [T, heads, d], key/value [T, kv_heads, d] -> [T, heads, d]; `window` W: each query sees its
+        last W positions; `softcap` c: scores become c * tanh(scores / c)."""
         k, v, k_scale, v_scale = cache
         self._cache_write.write_kv_cache(key, value, k, v, meta.slot_mapping, k_scale, v_scale)
         step = self._step_tensors(meta, query.device)
@@ -88,9 +90,11 @@ class TritonAttentionBackend:
         if step.decode_tables is not None:
             rows = slice(0, step.decode_tables.shape[0])
             self._attention.paged_decode_attention(query[rows], k, v, step.decode_tables, step.decode_lens, scale,
-                                                   k_scale, v_scale, max_len=step.decode_max_len, out=out[rows])
+                                                   k_scale, v_scale, max_len=step.decode_max_len, out=out[rows],
+                                                   window=window, softcap=softcap)
         if step.prefill_tables is not None:
             self._attention.paged_prefill_attention(query, k, v, step.prefill_tables, step.query_start,
                                                     step.prefill_lens, scale, k_scale, v_scale,
-                                                    max_query_len=step.max_query_len, out=out)
+                                                    max_query_len=step.max_query_len, out=out, window=window,
+                                                    softcap=softcap)
         return out

@@ -3,7 +3,8 @@
 //
 // query [B, H, D] float32; k_cache/v_cache [N, block_size, Hkv, D] (float32, float16, bfloat16, int8 or fp8 e4m3);
 // k_scale/v_scale [N, block_size, Hkv] float32 for 8-bit codes (undefined otherwise); block_tables [B, W] int64;
-// context_lens [B] int64 (the new token included). Returns [B, H, D] float32.
+// context_lens [B] int64 (the new token included); window W > 0 reads only the last W positions (0: all);
+// softcap c > 0 turns scores into c * tanh(scores / c) (0: none). Returns [B, H, D] float32.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -36,7 +37,7 @@ template <typename T, int DIM>
 void decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                       const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale,
                       const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale,
-                      torch::Tensor& out) {
+                      int64_t window, double softcap, torch::Tensor& out) {
   const int64_t batch = query.size(0), heads = query.size(1), dim = DIM > 0 ? DIM : query.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2), group = heads / kv_heads;
   const int64_t width = block_tables.size(1);
@@ -55,17 +56,20 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache, 
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, buffer(dim), acc(group * dim), qs(group * dim);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / kv_heads, h = task % kv_heads, len = lens[b];
+      const int64_t b = task / kv_heads, h = task % kv_heads, end_pos = lens[b];
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, end_pos - window) : 0, len = end_pos - lo;
       const float* q = q_ptr + (b * heads + h * group) * dim;
       for (int64_t i = 0; i < group * dim; ++i) qs[i] = q[i] * static_cast<float>(scale);
+      const float cap = static_cast<float>(softcap);
       scores.resize(group * len);
-      // Calls visit(pos, offset) for each of the request's `len` tokens, block by block (no division per row);
-      // offset is the element offset of the token's row for KV head h in a cache layer.
+      // Calls visit(i, offset) for the request's positions lo + i (i < len), block by block (no division per
+      // row); offset is the element offset of the token's row for KV head h in a cache layer.
       auto for_each_row = [&](auto visit) {
-        for (int64_t first = 0; first < len; first += block_size) {
-          const int64_t base = tables[b * width + first / block_size] * block_stride + h * dim;
-          const int64_t last = std::min(len, first + block_size);
-          for (int64_t pos = first, offset = base; pos < last; ++pos, offset += token_stride) visit(pos, offset);
+        for (int64_t first = lo; first < end_pos; first = (first / block_size + 1) * block_size) {
+          const int64_t base = tables[b * width + first / block_size] * block_stride + (first % block_size) *
+                               token_stride + h * dim;
+          const int64_t last = std::min(end_pos, (first / block_size + 1) * block_size);
+          for (int64_t pos = first, offset = base; pos < last; ++pos, offset += token_stride) visit(pos - lo, offset);
         }
       };
       for_each_row([&](int64_t pos, int64_t offset) {
@@ -76,7 +80,8 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache, 
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
           for (int64_t d = 0; d < dim; ++d) dot += qg[d] * row[d];
-          scores[g * len + pos] = dot * row_scale;
+          const float score = dot * row_scale;
+          scores[g * len + pos] = softcap > 0 ? cap * std::tanh(score / cap) : score;
         }
       });
       for (int64_t g = 0; g < group; ++g) {
@@ -108,17 +113,17 @@ template <typename T>
 void dispatch_dim(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                   const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale,
                   const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale,
-                  torch::Tensor& out) {
+                  int64_t window, double softcap, torch::Tensor& out) {
   switch (query.size(2)) {
     case 64:
       return decode_attention<T, 64>(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale,
-                                     out);
+                                     window, softcap, out);
     case 128:
       return decode_attention<T, 128>(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale,
-                                      out);
+                                      window, softcap, out);
     default:
       return decode_attention<T, 0>(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale,
-                                    out);
+                                    window, softcap, out);
   }
 }
 
@@ -126,7 +131,8 @@ void dispatch_dim(const torch::Tensor& query, const torch::Tensor& k_cache, cons
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                                      c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale,
+                                     int64_t window, double softcap) {
   TORCH_CHECK(query.scalar_type() == torch::kFloat32 && query.is_contiguous(), "query: float32, contiguous");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "k_cache/v_cache: contiguous");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && block_tables.is_contiguous(), "block_tables: int64");
@@ -135,21 +141,24 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
   auto out = torch::empty_like(query);
   switch (k_cache.scalar_type()) {
     case torch::kFloat32:
-      dispatch_dim<float>(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale, out);
+      dispatch_dim<float>(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale,
+                                 window, softcap, out);
       break;
     case torch::kFloat16:
-      dispatch_dim<at::Half>(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale, out);
+      dispatch_dim<at::Half>(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale,
+                                 window, softcap, out);
       break;
     case torch::kBFloat16:
       dispatch_dim<at::BFloat16>(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale,
-                                     out);
+                                     window, softcap, out);
       break;
     case torch::kInt8:
-      dispatch_dim<int8_t>(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale, out);
+      dispatch_dim<int8_t>(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale,
+                                 window, softcap, out);
       break;
     case torch::kFloat8_e4m3fn:
       dispatch_dim<c10::Float8_e4m3fn>(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens,
-                                           scale, out);
+                                           scale, window, softcap, out);
       break;
     default:
       TORCH_CHECK(false, "k_cache: unsupported dtype ", k_cache.scalar_type());

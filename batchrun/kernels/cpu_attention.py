@@ -63,8 +63,10 @@ def load():
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                           window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Same contract as reference.paged_decode_attention; call only when load() returned a module."""
     out = _module.paged_decode_attention(query.float().contiguous(), k_cache, v_cache, k_scale, v_scale,
-                                         block_tables.long().contiguous(), context_lens.long().contiguous(), scale)
+                                         block_tables.long().contiguous(), context_lens.long().contiguous(), scale,
+                                         window or 0, softcap or 0.0)
     return out.to(query.dtype)

@@ -17,14 +17,17 @@ from batchrun.kernels.cache_write import NONE, quant_mode
 
 LOG2E = 1.4426950408889634
 SPLIT_MIN_TOKENS = 512      # a split-KV program gets at least this many tokens
+NO_WINDOW = 2**30           # the window argument of full attention (a run-time value: no recompile per window)
 
 
 @triton.jit
 def _attend_tile(q, m, l, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_row_ptr, n, valid,
-                 kv_head, d, dmask, qk_scale, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh,
-                 BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 kv_head, d, dmask, qk_scale, softcap, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss,
+                 stride_sh, BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 SOFTCAP: tl.constexpr):
     """One online-softmax step over keys n [BLOCK_N] of one request; valid [M, BLOCK_N] masks scores.
-    q [M, BLOCK_D] (compute dtype), m/l [M] and acc [M, BLOCK_D] float32."""
+    q [M, BLOCK_D] (compute dtype), m/l [M] and acc [M, BLOCK_D] float32. SOFTCAP: scaled scores x become
+    softcap * tanh(x / softcap)."""
     nmask = tl.max(valid.to(tl.int32), axis=0) > 0
     block = tl.load(block_row_ptr + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
     offset = n % BLOCK_SIZE
@@ -41,10 +44,16 @@ def _attend_tile(q, m, l, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_pt
         s = s * (k_s * qk_scale)[None, :]
     else:
         s = s * qk_scale
+    if SOFTCAP:   # s is x * log2(e); tanh(y) = 1 - 2 / (exp(2y) + 1), which saturates cleanly at +-1
+        y = s / (LOG2E * softcap)
+        s = (1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)) * (softcap * LOG2E)
     s = tl.where(valid, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
-    p = tl.math.exp2(s - m_new[:, None])
-    alpha = tl.math.exp2(m - m_new)
+    # A row with no valid key yet (a sliding window starting past this tile) keeps m = -inf: subtract 0 there,
+    # not -inf, so its p and alpha are 0 rather than NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m - m_safe)
     l = l * alpha + tl.sum(p, axis=1)
     if QUANT != 0:
         p = p * v_s[None, :]
@@ -66,11 +75,13 @@ def _decode_kernel(
     context_lens_ptr, # [B] int32/int64, the query token included
     qk_scale,         # softmax scale * log2(e)
     split_len,        # tokens per split, a multiple of BLOCK_N
+    window,           # sliding window W: keys at positions >= context_len - W (2**30: all)
+    softcap,          # attention logit soft-cap (read only when SOFTCAP)
     stride_qb, stride_qh, stride_ob, stride_oh, stride_os,
     stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Program (request b, KV head, split): all GROUP query heads of the KV head against keys of the split."""
     b = tl.program_id(0).to(tl.int64)
@@ -79,6 +90,7 @@ def _decode_kernel(
     context_len = tl.load(context_lens_ptr + b)
     lo = split * split_len
     hi = tl.minimum(context_len, lo + split_len)
+    first = tl.maximum(context_len - window, 0)   # the oldest position inside the window
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, BLOCK_D)
     heads = kv_head * GROUP + g
@@ -88,13 +100,13 @@ def _decode_kernel(
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
+    for start in range(tl.maximum(lo, first // BLOCK_N * BLOCK_N), hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        valid = tl.broadcast_to((n < hi)[None, :], [GROUP_PAD, BLOCK_N])
+        valid = tl.broadcast_to(((n < hi) & (n >= first))[None, :], [GROUP_PAD, BLOCK_N])
         m, l, acc = _attend_tile(q, m, l, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                                 block_tables_ptr + b * stride_bt, n, valid, kv_head, d, dmask, qk_scale,
+                                 block_tables_ptr + b * stride_bt, n, valid, kv_head, d, dmask, qk_scale, softcap,
                                  stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh,
-                                 BLOCK_SIZE, QUANT, DOT_PRECISION)
+                                 BLOCK_SIZE, QUANT, DOT_PRECISION, SOFTCAP)
     if SPLIT:
         out = out_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
         tl.store(out, acc, mask=qmask)
@@ -124,7 +136,7 @@ def _reduce_splits_kernel(
     smask = s < NUM_SPLITS
     m = tl.load(m_ptr + row * NUM_SPLITS + s, mask=smask, other=float("-inf"))
     l = tl.load(l_ptr + row * NUM_SPLITS + s, mask=smask, other=0.0)
-    weight = tl.where(smask, tl.math.exp2(m - tl.max(m, axis=0)), 0.0)   # split 0 is never empty
+    weight = tl.where(smask, tl.math.exp2(m - tl.max(m, axis=0)), 0.0)   # the last split is never empty
     mask = smask[:, None] & (d < HEAD_DIM)[None, :]
     partial = tl.load(partial_ptr + (row * NUM_SPLITS + s[:, None]) * HEAD_DIM + d[None, :], mask=mask, other=0.0)
     out = tl.sum(partial * weight[:, None], axis=0) / tl.sum(l * weight, axis=0)
@@ -143,10 +155,13 @@ def _prefill_kernel(
     query_start_ptr,  # [R + 1] int32/int64: chunk r is query rows [query_start[r], query_start[r + 1])
     context_lens_ptr, # [R] int32/int64: request's tokens in the cache after this step, the chunk included
     qk_scale,         # softmax scale * log2(e)
+    window,           # sliding window W: row at position p sees keys p - W < n <= p (2**30: all)
+    softcap,          # attention logit soft-cap (read only when SOFTCAP)
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Program (chunk r, query tile, head): BLOCK_M query rows of the chunk against the request's keys up to
     each row's position (the cached prefix and causally within the chunk)."""
@@ -167,13 +182,14 @@ def _prefill_kernel(
         l = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         hi = tl.minimum(context_len, context_len - q_len + (tile + 1) * BLOCK_M)
-        for start in range(0, hi, BLOCK_N):
+        lo = tl.maximum(context_len - q_len + tile * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+        for start in range(lo, hi, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
-            valid = (n[None, :] <= pos[:, None]) & (n < context_len)[None, :]
+            valid = (n[None, :] <= pos[:, None]) & (n[None, :] > pos[:, None] - window) & (n < context_len)[None, :]
             m, l, acc = _attend_tile(q, m, l, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
                                      block_tables_ptr + r * stride_bt, n, valid, head // GROUP, d, dmask, qk_scale,
-                                     stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh,
-                                     BLOCK_SIZE, QUANT, DOT_PRECISION)
+                                     softcap, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_sh,
+                                     BLOCK_SIZE, QUANT, DOT_PRECISION, SOFTCAP)
         out = out_ptr + (q_start + i)[:, None] * stride_ot + head * stride_oh + d[None, :]
         tl.store(out, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=qmask)
 
@@ -220,9 +236,11 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                            max_len: int | None = None, num_splits: int | None = None, out: torch.Tensor | None = None,
-                           block_n: int | None = None, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                           block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                           window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """query [B, heads, d]; block_tables [B, max_blocks]; context_lens [B], the query token included -> [B, heads, d].
-    num_splits None: chosen from the batch and max_len (max_len None reads context_lens, a device sync)."""
+    num_splits None: chosen from the batch and max_len (max_len None reads context_lens, a device sync).
+    window W: only the last W positions are attended to; softcap c: scores become c * tanh(scores / c)."""
     mode = _check_cache(query, k_cache, v_cache, k_scale, v_scale)
     batch, heads, head_dim = query.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -238,11 +256,13 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     scales = (k_scale, v_scale) if k_scale is not None else (k_cache, v_cache)   # dummies, never read
     meta = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
                 BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size, BLOCK_N=block_n,
-                QUANT=mode, DOT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages)
+                QUANT=mode, DOT_PRECISION=precision, SOFTCAP=softcap is not None, num_warps=num_warps,
+                num_stages=num_stages)
     grid = (batch, kv_heads, num_splits)
     if num_splits == 1:
         _decode_kernel[grid](out, out, out, query, k_cache, v_cache, *scales, block_tables, context_lens, qk_scale,
-                             2**30, query.stride(0), query.stride(1), out.stride(0), out.stride(1), 0,
+                             2**30, window or NO_WINDOW, softcap or 0.0, query.stride(0), query.stride(1), out.stride(0),
+                             out.stride(1), 0,
                              *cache_strides, block_tables.stride(0), SPLIT=False, **meta)
         return out
     if max_len is None:
@@ -252,7 +272,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     m = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=query.device)
     l = torch.empty_like(m)
     _decode_kernel[grid](partial, m, l, query, k_cache, v_cache, *scales, block_tables, context_lens, qk_scale,
-                         split_len, query.stride(0), query.stride(1), *partial.stride()[:3],
+                         split_len, window or NO_WINDOW, softcap or 0.0, query.stride(0), query.stride(1), *partial.stride()[:3],
                          *cache_strides, block_tables.stride(0), SPLIT=True, **meta)
     _reduce_splits_kernel[(batch, heads)](out, partial, m, l, out.stride(0), out.stride(1), NUM_SPLITS=num_splits,
                                           SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
@@ -265,10 +285,12 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
                             scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                             max_query_len: int | None = None, out: torch.Tensor | None = None,
                             block_m: int | None = None, block_n: int | None = None, num_warps: int = 4,
-                            num_stages: int = 2) -> torch.Tensor:
+                            num_stages: int = 2, window: int | None = None, softcap: float | None = None
+                            ) -> torch.Tensor:
     """Varlen prefill / mixed batch in one launch. query [T, heads, d]; chunk r is rows query_start[r] to
     query_start[r + 1] (query_start [R + 1], cu_seqlens), the last rows of its request's context_lens[r] tokens;
-    block_tables [R, max_blocks]. Rows outside every chunk are left as they are in `out` (default: empty)."""
+    block_tables [R, max_blocks]. Rows outside every chunk are left as they are in `out` (default: empty).
+    window W: a row at position p sees keys p - W < n <= p; softcap c: scores become c * tanh(scores / c)."""
     mode = _check_cache(query, k_cache, v_cache, k_scale, v_scale)
     num_chunks = block_tables.shape[0]
     heads, head_dim = query.shape[1:]
@@ -283,9 +305,11 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     scales = (k_scale, v_scale) if k_scale is not None else (k_cache, v_cache)
     grid = (num_chunks, triton.cdiv(max_query_len, block_m), heads)
     _prefill_kernel[grid](out, query, k_cache, v_cache, *scales, block_tables, query_start, context_lens, qk_scale,
-                          query.stride(0), query.stride(1), out.stride(0), out.stride(1), *cache_strides,
+                          window or NO_WINDOW, softcap or 0.0, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+                          *cache_strides,
                           block_tables.stride(0), GROUP=heads // k_cache.shape[2], HEAD_DIM=head_dim,
                           BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=k_cache.shape[1],
                           BLOCK_M=block_m, BLOCK_N=block_n, QUANT=mode, DOT_PRECISION=precision,
+                          SOFTCAP=softcap is not None,
                           num_warps=num_warps, num_stages=num_stages)
     return out

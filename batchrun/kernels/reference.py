@@ -80,8 +80,10 @@ def gather_kv(cache: torch.Tensor, scales: torch.Tensor | None, block_tables: to
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                           max_len: int | None = None, workspace: Workspace | None = None) -> torch.Tensor:
-    """One query token per request. query [B, heads, d]; context_lens [B] count the query token itself."""
+                           max_len: int | None = None, workspace: Workspace | None = None,
+                           window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """One query token per request. query [B, heads, d]; context_lens [B] count the query token itself. `window`
+    W: only the last W positions are seen; `softcap` c: scores become c * tanh(scores / c)."""
     batch, heads, dim = query.shape
     max_len = max_len or int(context_lens.max())
     # Gathered rows stay [B, L, kv_heads, d]; each KV head's keys are a strided [B, L, d] view that batched
@@ -90,34 +92,61 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     values = _gather_rows(v_cache, v_scale, block_tables, max_len, query.dtype, workspace, "v")
     kv_heads = keys.shape[2]
     q = query.view(batch, kv_heads, heads // kv_heads, dim) * scale
-    pad = torch.arange(max_len, device=query.device)[None, None, :] >= context_lens[:, None, None]
+    pos = torch.arange(max_len, device=query.device)[None, None, :]
+    pad = pos >= context_lens[:, None, None]
+    if window is not None:
+        pad |= pos <= context_lens[:, None, None] - 1 - window
     out = torch.empty_like(q)
     for h in range(kv_heads):
-        scores = torch.bmm(q[:, h], keys[:, :, h].transpose(1, 2)).masked_fill_(pad, float("-inf"))
+        scores = _softcap(torch.bmm(q[:, h], keys[:, :, h].transpose(1, 2)), softcap).masked_fill_(pad, float("-inf"))
         torch.bmm(torch.softmax(scores, dim=-1), values[:, :, h], out=out[:, h])
     return out.view(batch, heads, dim)
 
 
+def _softcap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
+               window: int | None, softcap: float | None) -> torch.Tensor:
+    """q [1, heads, n, d] at positions q_pos [n]; k/v [1, kv_heads, L, d] at positions 0..L-1; causal, within the
+    window when given. SDPA where it can (no softcap), else explicit scores."""
+    keys = torch.arange(k.shape[2], device=q.device)[None, :]
+    mask = keys <= q_pos[:, None]
+    if window is not None:
+        mask &= keys > q_pos[:, None] - window
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = _softcap(q @ k.transpose(-1, -2) * scale, softcap).masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_table: torch.Tensor, context_len: int, scale: float,
-                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                            window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """A chunk of one request: query [n, heads, d] holds the last n positions of its `context_len` tokens;
-    each attends to the cached prefix and causally within the chunk."""
+    each attends to the cached prefix and causally within the chunk (within the last `window` positions)."""
     n = query.shape[0]
     keys = gather_kv(k_cache, k_scale, block_table[None], context_len, query.dtype)
     values = gather_kv(v_cache, v_scale, block_table[None], context_len, query.dtype)
     q = query.transpose(0, 1)[None]
-    if n == context_len:   # no cached prefix: plain causal attention, which skips the masked half
+    if n == context_len and window is None and softcap is None:   # plain causal attention skips the masked half
         out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
     else:
         q_pos = torch.arange(context_len - n, context_len, device=query.device)
-        mask = torch.arange(context_len, device=query.device)[None, :] <= q_pos[:, None]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        out = _attention(q, keys, values, q_pos, scale, window, softcap)
     return out[0].transpose(0, 1)
 
 
-def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                     window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """A whole prompt attending to itself: query [n, heads, d], key/value [n, kv_heads, d] -> [n, heads, d]."""
     q, k, v = (t.transpose(0, 1)[None] for t in (query, key, value))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    if window is None and softcap is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        out = _attention(q, k, v, torch.arange(query.shape[0], device=query.device), scale, window, softcap)
     return out[0].transpose(0, 1)

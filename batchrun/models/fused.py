@@ -1,4 +1,4 @@
-"""The decoder's elementwise pieces (RMSNorm, SiLU-and-multiply, RoPE), fused into single loops on the CPU by
+"""The decoder's elementwise pieces (RMSNorm, SiLU/GELU-and-multiply, RoPE), fused into single loops on the CPU by
 torch.compile (inductor, dynamic token counts, so a step of any size reuses one compiled kernel).
 
 Eager, each piece is several passes over [tokens, hidden] tensors; fused, one. On an AMD EPYC (2 cores) two
@@ -28,9 +28,18 @@ def _silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def _gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, d]; cos/sin [T, d] (rotate-half convention, as transformers' Llama)."""
-    half = x.shape[-1] // 2
+    """x [T, heads, d]; cos/sin [T, r] (rotate-half convention, as transformers' Llama) over the first r <= d
+    dimensions; the rest pass through (partial rotary)."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat([_rope(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
+    half = rot // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos[:, None] + rotated * sin[:, None]
 
@@ -41,9 +50,11 @@ def _on_cpu(eager):
     def run(x: torch.Tensor, *args):
         return compiled(x, *args) if ENABLED and x.device.type == "cpu" else eager(x, *args)
     run.__doc__ = eager.__doc__
+    run.eager = eager   # for many small calls, where the compiled call's guards cost more than they save
     return run
 
 
 rms_norm = _on_cpu(_rms_norm)
 silu_and_mul = _on_cpu(_silu_and_mul)
+gelu_tanh_and_mul = _on_cpu(_gelu_tanh_and_mul)
 apply_rope = _on_cpu(_rope)

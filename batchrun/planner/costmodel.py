@@ -2,7 +2,8 @@
 
 RooflineModel: time = overhead + max(bytes / (bandwidth x eff_bw), FLOPs / (peak x eff_compute)). Decode steps
 read every weight once plus each sequence's KV, so they sit on the bandwidth side; prefill-heavy steps do
-2 x params FLOPs per token and sit on the compute side. LinearModel: t = a + b x tokens + c x sum(context),
+2 x params FLOPs per token and sit on the compute side. A mixture-of-experts model does 2 x active params FLOPs
+per token and reads only the experts its tokens are routed to. LinearModel: t = a + b x tokens + c x sum(context),
 fitted by least squares on measured steps (calibration).
 """
 from __future__ import annotations
@@ -29,6 +30,10 @@ class ModelSpec:
     max_context: int
     tied_embeddings: bool
     attention_bias: bool = False
+    num_experts: int = 0              # mixture of experts: experts per MoE layer (0: a dense model)
+    experts_per_token: int = 0        # top-k
+    expert_intermediate_size: int = 0
+    moe_layers: int = 0               # layers whose MLP is the experts (the others are dense)
 
     @classmethod
     def from_config(cls, config, name: str = "model") -> "ModelSpec":
@@ -42,33 +47,77 @@ class ModelSpec:
                        intermediate_size=int(get("intermediate_size")), vocab_size=int(get("vocab_size")),
                        max_context=int(get("max_position_embeddings") or 4096),
                        tied_embeddings=bool(get("tie_word_embeddings", False)),
-                       attention_bias=bool(get("attention_bias", False) or get("model_type") == "qwen2"))
+                       attention_bias=bool(get("attention_bias", False) or get("model_type") == "qwen2"),
+                       **_moe_fields(get))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"model: the config of {name!r} lacks a usable field ({exc}); needs hidden_size, "
                              f"num_attention_heads, num_hidden_layers, intermediate_size, vocab_size") from exc
         return spec
 
     @property
-    def layer_params(self) -> int:
+    def attention_params(self) -> int:
+        """One layer's attention projections and its two norms."""
         q, kv = self.num_heads * self.head_dim, self.kv_heads * self.head_dim
         attn = self.hidden_size * (q + 2 * kv) + q * self.hidden_size + ((q + 2 * kv) if self.attention_bias else 0)
-        return attn + 3 * self.hidden_size * self.intermediate_size + 2 * self.hidden_size
+        return attn + 2 * self.hidden_size
+
+    @property
+    def layer_params(self) -> int:
+        """A dense layer: attention, norms and a gated MLP."""
+        return self.attention_params + 3 * self.hidden_size * self.intermediate_size
+
+    @property
+    def expert_params(self) -> int:
+        return 3 * self.hidden_size * self.expert_intermediate_size
+
+    def _params(self, experts_per_moe_layer: float) -> float:
+        embed = self.vocab_size * self.hidden_size
+        dense = (self.num_layers - self.moe_layers) * self.layer_params
+        moe = self.moe_layers * (self.attention_params + self.hidden_size * self.num_experts
+                                 + experts_per_moe_layer * self.expert_params)
+        return embed + dense + moe + self.hidden_size + (0 if self.tied_embeddings else embed)
 
     @property
     def num_params(self) -> int:
-        """Embeddings + layers + final norm + lm_head (unless tied to the embeddings)."""
-        embed = self.vocab_size * self.hidden_size
-        return embed + self.num_layers * self.layer_params + self.hidden_size + (0 if self.tied_embeddings else embed)
+        """Total: embeddings + layers (every expert) + final norm + lm_head (unless tied to the embeddings)."""
+        return int(self._params(self.num_experts))
+
+    @property
+    def active_params(self) -> int:
+        """Those one token runs through: its top-k experts only (= num_params for a dense model)."""
+        return int(self._params(self.experts_per_token))
 
     @property
     def weight_bytes(self) -> int:
         return self.num_params * WEIGHT_BYTES
+
+    def weight_bytes_read(self, tokens: int) -> float:
+        """Weights a step of `tokens` tokens reads: all but the experts, and per MoE layer the experts its tokens
+        are routed to (expected distinct experts under uniform routing: E x (1 - (1 - k/E)^tokens))."""
+        if not self.moe_layers:
+            return self.weight_bytes
+        experts = self.num_experts * (1 - (1 - self.experts_per_token / self.num_experts) ** max(tokens, 1))
+        return self._params(experts) * WEIGHT_BYTES
 
     def activation_bytes(self, max_num_batched_tokens: int, max_num_seqs: int) -> int:
         """Estimated peak of the largest step besides weights: hidden states and MLP of every token (fp16),
         float32 logits of every sampled sequence. A rough stand-in for the engine's profiled peak."""
         per_token = (4 * self.hidden_size + 2 * self.intermediate_size) * WEIGHT_BYTES
         return max_num_batched_tokens * per_token + max_num_seqs * self.vocab_size * 4
+
+
+def _moe_fields(get) -> dict:
+    """Mixture-of-experts sizes from a config (Mixtral: num_local_experts on every layer; Qwen3-MoE: num_experts,
+    moe_intermediate_size, on the layers decoder_sparse_step selects outside mlp_only_layers)."""
+    experts = int(get("num_local_experts") or get("num_experts") or 0)
+    if not experts:
+        return {}
+    layers = int(get("num_hidden_layers"))
+    step, dense = int(get("decoder_sparse_step") or 1), set(get("mlp_only_layers") or [])
+    moe_layers = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    return dict(num_experts=experts, experts_per_token=int(get("num_experts_per_tok")),
+                expert_intermediate_size=int(get("moe_intermediate_size") or get("intermediate_size")),
+                moe_layers=moe_layers)
 
 
 @dataclass(frozen=True)
@@ -92,8 +141,8 @@ class RooflineModel:
     def parts(self, s: StepShape) -> tuple[float, float]:
         """(memory seconds, compute seconds) of one step."""
         m = self.model
-        read = m.weight_bytes + (s.kv_bytes or s.kv_tokens * self.kv_bytes_per_token)
-        matmul = 2 * (m.num_params - m.vocab_size * m.hidden_size * (1 if m.tied_embeddings else 2)) * s.tokens
+        read = m.weight_bytes_read(s.tokens) + (s.kv_bytes or s.kv_tokens * self.kv_bytes_per_token)
+        matmul = 2 * (m.active_params - m.vocab_size * m.hidden_size * (1 if m.tied_embeddings else 2)) * s.tokens
         lm_head = 2 * m.vocab_size * m.hidden_size * s.seqs
         attention = 4 * m.num_layers * m.num_heads * m.head_dim * s.attn_pairs
         return (read / (self.gpu.bandwidth_gbs * 1e9 * self.eff_bandwidth),

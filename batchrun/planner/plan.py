@@ -142,7 +142,8 @@ class Planner:
                              "it is the window both layouts are sized and priced over")
         rows = [self.row(g, d) for g in gpus for d in kv_dtypes]
         w = self.work
-        report = {"model": {"name": self.model.name, "params": self.model.num_params, "layers": self.model.num_layers,
+        report = {"model": {"name": self.model.name, "params": self.model.num_params,
+                            "active_params": self.model.active_params, "layers": self.model.num_layers,
                             "kv_heads": self.model.kv_heads, "head_dim": self.model.head_dim,
                             "max_context": self.model.max_context},
                   "job": {"requests": len(w.items), "rows_failing_before_generation": w.rows_failing,

@@ -1,0 +1,109 @@
+"""Building blocks shared by every model family: linear layers, RMSNorm, RoPE tables, the gated MLP."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchrun.models import cpu_gemm, fused
+
+
+class Linear(nn.Linear):
+    """nn.Linear that, once `pack_for_cpu()` has run, multiplies through oneDNN with a pre-packed weight."""
+
+    packed: torch.Tensor | None = None
+
+    def pack_for_cpu(self) -> bool:
+        self.packed = cpu_gemm.pack(self.weight)
+        return self.packed is not None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.dim() == 2:
+            return cpu_gemm.linear(x, self.packed, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension. `unit_offset`: the stored weight w scales by (1 + w), Gemma's convention,
+    computed in float32 before casting back as Gemma does."""
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.unit_offset = unit_offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.unit_offset:
+            return fused.rms_norm(x.float(), 1.0 + self.weight.float(), self.eps).to(x.dtype)
+        return fused.rms_norm(x, self.weight, self.eps)
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def rope_parameters(config, layer_type: str | None = None) -> dict:
+    """The RoPE settings of one layer type: Gemma 3 keeps one dict per layer type, the others one flat dict."""
+    params = getattr(config, "rope_parameters", None) or {
+        "rope_theta": getattr(config, "rope_theta", 10000.0), **(getattr(config, "rope_scaling", None) or {})}
+    return params[layer_type] if layer_type in params else params
+
+
+def longrope_switch(config) -> int | None:
+    """LongRoPE's original context: a sequence longer than this runs on the long factors at every position (its
+    cached keys are recomputed when it grows past it, as transformers does); None for other RoPE types."""
+    params = rope_parameters(config)
+    return params.get("original_max_position_embeddings") if params.get("rope_type") == "longrope" else None
+
+
+def rope_tables(config, max_len: int, device, dtype, layer_type: str | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [max_len, rotary_dim] with transformers' RoPE variants (llama3, yarn, ...); rotary_dim <
+    head_dim under a partial_rotary_factor. LongRoPE: [2 * max_len, rotary_dim], the short factors' rows, then the
+    long factors' rows (see `longrope_switch`)."""
+    params = rope_parameters(config, layer_type)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    nested = layer_type if layer_type in (getattr(config, "rope_parameters", None) or {}) else None
+    positions = torch.arange(max_len, dtype=torch.float32)
+    if rope_type == "default":
+        dim = int(head_dim_of(config) * params.get("partial_rotary_factor", 1.0))
+        inv_freq = 1.0 / params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+        freqs, scaling = torch.outer(positions, inv_freq), 1.0
+    else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        init = ROPE_INIT_FUNCTIONS[rope_type]
+        inv_freq, scaling = init(config, "cpu", layer_type=nested)
+        freqs = torch.outer(positions, inv_freq.float())
+        if rope_type == "longrope":
+            long_inv_freq, _ = init(config, "cpu", seq_len=params["original_max_position_embeddings"] + 1,
+                                    layer_type=nested)
+            freqs = torch.cat([freqs, torch.outer(positions, long_inv_freq.float())])
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return (emb.cos() * scaling).to(device, dtype), (emb.sin() * scaling).to(device, dtype)
+
+
+ACTIVATIONS = {"silu": fused.silu_and_mul, "gelu_pytorch_tanh": fused.gelu_tanh_and_mul}
+
+
+def activation(config) -> str:
+    """The gated MLP's activation name (Gemma calls the field hidden_activation); refuses others by name."""
+    name = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+    if name not in ACTIVATIONS:
+        raise ValueError(f"model: hidden activation {name!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+    return name
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), with gate and up as one fused matrix (`gate_up_proj`)."""
+
+    def __init__(self, config, intermediate_size: int | None = None):
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        size = intermediate_size or config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * size, bias=bias)
+        self.down_proj = Linear(size, config.hidden_size, bias=bias)
+        self.act_and_mul = ACTIVATIONS[activation(config)]
+
+    def forward(self, x):
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
