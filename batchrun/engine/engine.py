@@ -240,7 +240,8 @@ class Engine:
             requests.append(request)
             if request.forks_pending:
                 siblings = [self._sibling(request, k) for k in range(1, request.params.n)]
-                copies = self.scheduler.fork(request, siblings)
+                # LongRoPE rewrites a sequence's keys once it outgrows the original context: nothing is shared
+                copies = self.scheduler.fork(request, siblings, share=self.model.long_rope_after is None)
                 if copies:
                     self.runner.pools[self._pool_of(request)].copy_blocks(copies)
                 rows += [row] * len(siblings)

@@ -216,13 +216,13 @@ class Scheduler:
                 finished.append(request)
         return finished
 
-    def fork(self, parent: Request, siblings: list[Request]) -> list[tuple[int, int]]:
+    def fork(self, parent: Request, siblings: list[Request], share: bool = True) -> list[tuple[int, int]]:
         """Samples 1..n-1 of a prompt sampled for the first time this step: each shares the parent's prompt KV and
-        runs from the next step (one that finds no block for its copy waits, and recomputes when admitted).
-        Returns the (source, destination) blocks to copy in the lane's KV pool."""
+        runs from the next step (one that finds no block for its copy, or all when not `share`, waits and
+        recomputes when admitted). Returns the (source, destination) blocks to copy in the lane's KV pool."""
         lane, copies = self.lane_of(parent), []
         for sibling in siblings:
-            pairs = lane.block_manager.fork(parent, sibling, parent.num_tokens)
+            pairs = lane.block_manager.fork(parent, sibling, parent.num_tokens) if share else None
             if pairs is None:
                 lane.waiting.push(sibling)
                 continue
