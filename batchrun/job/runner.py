@@ -27,7 +27,7 @@ from batchrun.job.spec import JobSpec
 log = logging.getLogger("batchrun.job")
 
 
-def _record(row: Row, out=None) -> dict:
+def result_record(row: Row, out=None) -> dict:
     ok = out is not None and out.finish_reason != "error"
     return {"id": row.id, "text": out.text if ok else None, "finish_reason": out.finish_reason if out else "error",
             "prompt_tokens": out.prompt_tokens if out else len(row.token_ids or []),
@@ -116,7 +116,7 @@ class JobRunner:
                     engine.add_request(row.token_ids, row.params, request_id=str(row.index),
                                        lane=spec.engine.lane, order_key=order_key)
                 for row in feed.failed:
-                    self._save(sink, _record(row))
+                    self._save(sink, result_record(row))
                     progress.row(failed=True, tokens=0)
                 feed.failed.clear()
                 if not inflight and (server is None or not server.finishing()):
@@ -124,7 +124,7 @@ class JobRunner:
                 for out in llm.step():   # also admits served requests and routes their tokens
                     if out.finished:
                         row = inflight.pop(out.request_id)
-                        self._save(sink, _record(row, out))
+                        self._save(sink, result_record(row, out))
                         progress.row(failed=out.finish_reason == "error", tokens=len(out.token_ids),
                                      max_tokens=row.params.max_tokens, prompt_tokens=out.prompt_tokens)
                 kv_peak = max(kv_peak, engine.stats.kv_blocks_used)
