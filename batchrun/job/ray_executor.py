@@ -13,7 +13,6 @@ import os
 import uuid
 
 from batchrun.job import kv_gate
-from batchrun.job.errors import JobError
 from batchrun.job.ray_progress import RayProgress
 from batchrun.job.runner import JobRunner
 from batchrun.job.sink import ResultSink
