@@ -238,3 +238,16 @@ def test_more_replicas_than_the_cluster_holds(cluster, tmp_path, tiny_model):
     with pytest.raises(JobError, match="8 replicas need 8 CPU in all, the cluster has") as exc:
         Job.from_yaml(job).run(progress="log")
     assert exc.value.exit_code == EXIT_INVALID
+
+
+def test_plan_recommendation_carries_an_executor_stanza(tmp_path, tiny_model):
+    from batchrun.job.spec import JobSpec
+    from batchrun.planner.plan import recommend
+    row = {"fits": True, "meets_deadline": True, "cost_usd": 12.0, "gpus": 6, "makespan_s": 5000.0,
+           "gpu": "H100-80GB", "kv_dtype": "int8", "usd_per_million_output_tokens": 0.5}
+    stanza = recommend([row], 6 * 3600)["executor"]
+    assert stanza == {"kind": "ray", "address": "auto", "replicas": 6, "gpus_per_replica": 1,
+                      "accelerator_type": "H100"}
+    spec = JobSpec({"model": tiny_model[0], "input": {"path": "in.parquet"}, "output": {"path": "out"},
+                    "executor": stanza})   # a valid executor section as it stands
+    assert spec.executor.replica_range == (6, 6) and spec.executor.accelerator_type == "H100"
