@@ -1,6 +1,6 @@
 """The same job through executor local and through Ray with 1 and 2 replicas, one torch thread each, in one run.
 
-    python bench/ray_scaling.py [--model smollm2-135m] [--rows 64] [--max-tokens 32] [--json out.json]
+    python bench/ray_scaling.py [--model smollm2-135m] [--rows 64] [--max-tokens 32] [--eager] [--json out.json]
 
 Each run is `batchrun submit` in a subprocess on a fresh output directory; Ray runs start their own local Ray
 (127.0.0.1). Figures from each run's summary.json:
@@ -10,6 +10,8 @@ Each run is `batchrun submit` in a subprocess on a fresh output directory; Ray r
   e2e tok/s   output tokens / the whole submit's wall time (start-up, model loads and Ray included)
   first row   seconds from the start of the pipeline (Ray) to the first committed batch
   peak RSS    per replica (Ray), of the replica's process
+--eager runs every engine without torch.compile (BATCHRUN_COMPILE=0): on a busy 2-core machine the compile of the
+first forward takes a minute or more per process and dominates a short run.
 Goals (issue 13): Ray 1 replica >= 90 % of local gen tok/s; 2 replicas >= 1.7x one replica.
 """
 import argparse
@@ -35,7 +37,7 @@ def run(tmp: str, name: str, args, executor: dict) -> dict:
     job = os.path.join(tmp, f"{name}.yaml")
     with open(job, "w") as f:
         yaml.safe_dump(spec, f)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **({"BATCHRUN_COMPILE": "0"} if args.eager else {})}
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "batchrun.cli", "submit", job, "--progress", "log"],
                           capture_output=True, text=True, env=env)
@@ -60,6 +62,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--eager", action="store_true", help="no torch.compile in any engine")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     ray = {"kind": "ray", "cpus_per_replica": 1, "batch_size": 8, "max_batches_in_flight": 4}

@@ -251,3 +251,10 @@ def test_plan_recommendation_carries_an_executor_stanza(tmp_path, tiny_model):
     spec = JobSpec({"model": tiny_model[0], "input": {"path": "in.parquet"}, "output": {"path": "out"},
                     "executor": stanza})   # a valid executor section as it stands
     assert spec.executor.replica_range == (6, 6) and spec.executor.accelerator_type == "H100"
+
+
+def test_unreachable_address_refused_before_work(tmp_path, tiny_model):
+    job = ray_job(tmp_path, tiny_model, address="127.0.0.1:1")
+    run = cli("submit", job, "--progress", "log", timeout=60)
+    assert run.returncode == EXIT_INVALID and "executor.address" in run.stderr and "nothing answers" in run.stderr
+    assert not os.path.exists(tmp_path / "out" / "job" / "data"), "work started"

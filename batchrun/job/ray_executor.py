@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import uuid
 
-from batchrun.job import kv_gate
+from batchrun.job import kv_gate, report
 from batchrun.job.ray_progress import RayProgress
 from batchrun.job.runner import JobRunner
 from batchrun.job.sink import ResultSink
@@ -21,12 +22,21 @@ from batchrun.job.spec import JobSpec
 
 log = logging.getLogger("batchrun.job")
 EXTRA_HINT = "pip install 'batchrun[ray]'"
+CONNECT_TIMEOUT_S = 10
+
+
+def host_port(address: str) -> tuple[str, int] | None:
+    """(host, port) of an address that names one ("HOST:PORT", "ray://HOST:PORT"); None for auto or local."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    return (host.strip("[]"), int(port)) if sep and host and port.isdigit() else None
 
 
 def import_ray(spec: JobSpec):
-    """ray, or a JobError naming the extra. A Ray started here listens on 127.0.0.1 only: the flag is read when
-    ray is first imported."""
-    if spec.executor.address is None:
+    """ray, or a JobError naming the extra. A Ray started here, or one reached on the loopback address, keeps its
+    listeners on 127.0.0.1: Ray reads that flag when it is first imported."""
+    address = spec.executor.address
+    target = host_port(address) if address else None
+    if address is None or (target and target[0] in ("127.0.0.1", "localhost", "::1")):
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     try:
         import ray
@@ -60,6 +70,13 @@ class RayJobRunner(JobRunner):
         if ray.is_initialized():   # a notebook or test already connected: use that cluster
             return False
         hi = ex.replica_range[1]
+        target = host_port(ex.address) if ex.address else None
+        if target:   # ray.init retries an unreachable address for minutes
+            try:
+                socket.create_connection(target, timeout=CONNECT_TIMEOUT_S).close()
+            except OSError as exc:
+                raise self.spec.fail(("executor", "address"), f"nothing answers at {ex.address} ({exc}); start Ray "
+                                                              f"there (ray start --head) or fix the address") from None
         options = {"logging_level": logging.WARNING}
         if ex.address is None:   # a local Ray, sized in logical CPUs so the readers are never starved by replicas
             options.update(num_cpus=max(os.cpu_count() or 1, int(hi * ex.cpus_per_replica) + 1),
@@ -96,12 +113,11 @@ class RayJobRunner(JobRunner):
 
         from batchrun.job.ray_replica import RUN_TOKEN, ReplicaEngine
         from batchrun.job.ray_source import JobInput
-        from batchrun.job.report import write_atomic
         spec, ex = self.spec, self.spec.executor
         options = kv_gate.decide(spec, out_dir)
         # a new run token first, then the done ids: a replica of an earlier, killed driver commits nothing after it
         token = uuid.uuid4().hex
-        write_atomic(os.path.join(out_dir, RUN_TOKEN), token)
+        report.write_atomic(os.path.join(out_dir, RUN_TOKEN), token)
         done = sink.store.done_indices()
         DataContext.get_current().enable_progress_bars = False   # Ray's bars count blocks; ours count rows
         lo, hi = ex.replica_range
@@ -110,8 +126,8 @@ class RayJobRunner(JobRunner):
             ReplicaEngine, batch_size=ex.batch_size, batch_format="pyarrow",
             fn_constructor_args=(spec, options, out_dir, sink.schema, sink.seq, token,
                                  max(1, round(ex.cpus_per_replica))),
-            compute=ActorPoolStrategy(min_size=lo, max_size=hi, max_tasks_in_flight_per_actor=ex.max_batches_in_flight,
-                                      max_concurrent_calls_per_actor=ex.max_batches_in_flight),
+            compute=ActorPoolStrategy(min_size=lo, max_size=hi, max_concurrent_calls_per_actor=ex.max_batches_in_flight,
+                                      max_tasks_in_flight_per_actor=ex.max_batches_in_flight),
             num_cpus=ex.cpus_per_replica, num_gpus=ex.gpus_per_replica, accelerator_type=ex.accelerator_type)
         progress = RayProgress(total, len(done), self.tty, spec.output.log_every_s, self._name())
         log.info("ray: %s replicas, %g CPU and %g GPU each, %d batches in flight per replica, %d rows to run",
@@ -125,7 +141,7 @@ class RayJobRunner(JobRunner):
                     break
         finally:
             if self.stop_reason:   # batches still running commit nothing: their rows run on the next submit
-                write_atomic(os.path.join(out_dir, RUN_TOKEN), "stopped")
+                report.write_atomic(os.path.join(out_dir, RUN_TOKEN), "stopped")
             progress.close()
         if self.stop_reason:
             log.warning("stopped by %s: %d rows saved this run; batches in flight run again on the next submit",
@@ -133,5 +149,4 @@ class RayJobRunner(JobRunner):
         return progress.figures()
 
     def _report_running(self, out_dir: str, progress: RayProgress) -> None:
-        from batchrun.job import report
         report.write_summary(out_dir, self._name(), {**progress.figures(), "exit_code": None, "status": "running"})

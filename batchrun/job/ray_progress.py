@@ -17,8 +17,8 @@ from batchrun.job.eta import clock_text, duration_text
 
 log = logging.getLogger("batchrun.job")
 # the replica's engine figures, as its latest batch reported them
-_LATEST = ("ready_at", "preemptions", "kv_cache_dtype", "kv_blocks_peak", "kv_blocks_total", "kv_pool_bytes", "peak_rss_bytes",
-           "load_s")
+_LATEST = ("ready_at", "preemptions", "kv_cache_dtype", "kv_blocks_peak", "kv_blocks_total", "kv_pool_bytes",
+           "peak_rss_bytes", "load_s")
 
 
 class RayProgress:
