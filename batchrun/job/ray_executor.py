@@ -143,10 +143,12 @@ class RayJobRunner(JobRunner):
             if self.stop_reason:   # batches still running commit nothing: their rows run on the next submit
                 report.write_atomic(os.path.join(out_dir, RUN_TOKEN), "stopped")
             progress.close()
+        # the shards are the record: a batch may commit before its figures reach the driver
+        committed = len(sink.store.done_indices()) - len(done)
         if self.stop_reason:
             log.warning("stopped by %s: %d rows saved this run; batches in flight run again on the next submit",
-                        self.stop_reason, progress.rows)
-        return progress.figures()
+                        self.stop_reason, committed)
+        return {**progress.figures(), "rows_this_run": committed}
 
     def _report_running(self, out_dir: str, progress: RayProgress) -> None:
         report.write_summary(out_dir, self._name(), {**progress.figures(), "exit_code": None, "status": "running"})
