@@ -59,10 +59,17 @@ _RESTART = click.option("--restart", is_flag=True,
                    "e.g. 127.0.0.1:8000. Needs the serve extra.")
 @click.option("--api-key", envvar="BATCHRUN_API_KEY", help="With --serve: require 'Authorization: Bearer KEY' "
               "(also read from BATCHRUN_API_KEY).")
-def submit(job, overrides, restart, progress, serve_address, api_key) -> None:
+@click.option("--executor", type=click.Choice(["local", "ray"]), help="Sets executor.kind: run here, or on a pool "
+              "of engine replicas on Ray (needs the ray extra).")
+@click.option("--replicas", metavar="N|[MIN,MAX]", help="Sets executor.replicas (Ray engine replicas).")
+@click.option("--address", metavar="ADDRESS", help="Sets executor.address: auto, ray://HOST:10001 or HOST:6379 "
+              "(default: start a local Ray on 127.0.0.1).")
+def submit(job, overrides, restart, progress, serve_address, api_key, executor, replicas, address) -> None:
     from batchrun.job import Job, JobError
+    flags = {"kind": executor, "replicas": replicas, "address": address}
+    overrides = [*overrides, *(f"executor.{key}={value}" for key, value in flags.items() if value is not None)]
     try:
-        job_ = Job.from_yaml(job, list(overrides))
+        job_ = Job.from_yaml(job, overrides)
     except JobError as exc:
         _fail(exc)
     _run_job(job_, restart, progress,

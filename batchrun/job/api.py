@@ -69,12 +69,18 @@ class Job:
     def output_dir(self) -> str:
         return self.spec.resolve(self.spec.output.path)
 
-    def run(self, restart: bool = False, progress: str = "auto", serve=None) -> JobResult:
+    def run(self, restart: bool = False, progress: str = "auto", serve=None, executor: str | None = None) -> JobResult:
         """Run to completion or resume; progress: auto (a bar on a terminal or in Jupyter), bar, or log. An interrupt
         (Ctrl-C, a kernel interrupt, SIGTERM) stops admission and saves the finished rows: the result's status is
         then "interrupted", and running again resumes. serve: an optional llm -> context manager that serves HTTP on
-        the job's engine (batchrun.server.ServeBesideJob)."""
-        return JobResult(*JobRunner(self.spec, restart, progress, serve).run(), spec=self.spec)
+        the job's engine (batchrun.server.ServeBesideJob). executor: "local" or "ray" over the job's executor.kind
+        (the rest of its executor section applies)."""
+        if executor is not None:
+            self.spec.set_executor_kind(executor, "run(executor=...)")
+        runner = JobRunner
+        if self.spec.executor.kind == "ray":
+            from batchrun.job.ray_executor import RayJobRunner as runner
+        return JobResult(*runner(self.spec, restart, progress, serve).run(), spec=self.spec)
 
     def validate(self) -> dict:
         from batchrun.job.validate import validate

@@ -19,7 +19,9 @@ import pyarrow.parquet as pq
 
 from batchrun.job.errors import EXIT_LOCKED, JobError
 
-_PART = re.compile(r"(part|sorted)-(\d{6})\.parquet$")
+# part-NNNNNN.parquet from a local run; part-NNNNNN-<digest>.parquet from a Ray run (NNNNNN: that run's number, the
+# digest: of the shard's row indices, so a retried batch rewrites its own shard)
+_PART = re.compile(r"(part|sorted)-(\d{6})(?:-[0-9a-f]{16})?\.parquet$")
 MERGE_ROWS = 65536   # row indices per file of the merged output (output.order: input)
 
 
@@ -54,7 +56,7 @@ class ShardStore:
             m = _PART.search(path)
             if m:
                 found.append((m.group(1), int(m.group(2)), path))
-        return sorted(found, key=lambda s: s[1])
+        return sorted(found, key=lambda s: (s[1], s[2]))
 
     def repair(self) -> None:
         """Delete temporaries of a killed shard writer; finish or roll back a swap of the merged output."""

@@ -164,13 +164,16 @@ class ParquetSource:
                     if left == 0:
                         return
 
-    def batches(self, batch_size: int = 1024) -> Iterator[list[Row]]:
-        """Rows in input order, one record batch at a time (only the columns the job uses are read)."""
+    def columns(self) -> list[str]:
+        """The input columns the job uses (the only ones read)."""
         inp = self.inp
         columns = [inp.id_column, inp.prompt_column, inp.messages_column, *inp.template_columns,
                    *(getattr(inp, k) for k in ROW_PARAM_COLUMNS), *inp.passthrough]
-        columns = list(dict.fromkeys(c for c in columns if c))
-        index, left = 0, inp.limit
+        return list(dict.fromkeys(c for c in columns if c))
+
+    def batches(self, batch_size: int = 1024) -> Iterator[list[Row]]:
+        """Rows in input order, one record batch at a time (only the columns the job uses are read)."""
+        columns, index, left = self.columns(), 0, self.inp.limit
         for path in self.files:
             for batch in self._open(path).iter_batches(columns=columns, batch_size=batch_size):
                 rows = records(batch)
@@ -182,26 +185,31 @@ class ParquetSource:
                     return
 
     def _row(self, index: int, r: dict) -> Row:
-        inp = self.inp
-        row = Row(index, r[inp.id_column], passthrough={c: r[c] for c in inp.passthrough})
-        if row.id is None:
-            row.error = f"input: null id in column {inp.id_column!r}"
-            return row
-        invalid = next((column for column, value in r.items() if isinstance(value, InvalidText)), None)
-        if invalid:
-            row.error = f"input: column {invalid!r} holds text that is not valid UTF-8 in this row"
-            return row
-        set_params(self.spec, row, {param: r[getattr(inp, key)] for key, param in ROW_PARAM_COLUMNS.items()
-                                    if getattr(inp, key)})
-        if inp.template:
-            missing = [c for c in inp.template_columns if r[c] is None]
-            if missing:
-                row.error = row.error or f"prompt: template column {missing[0]!r} is null"
-            else:
-                row.prompt = inp.template.format_map(r)
-        else:
-            row.prompt = r[inp.messages_column or inp.prompt_column]
+        return row_from_record(self.spec, index, r)
+
+
+def row_from_record(spec: JobSpec, index: int, r: dict) -> Row:
+    """A Row from one input record (its columns by name): prompt, parameters, passthrough, or the row's error."""
+    inp = spec.input
+    row = Row(index, r[inp.id_column], passthrough={c: r[c] for c in inp.passthrough})
+    if row.id is None:
+        row.error = f"input: null id in column {inp.id_column!r}"
         return row
+    invalid = next((column for column, value in r.items() if isinstance(value, InvalidText)), None)
+    if invalid:
+        row.error = f"input: column {invalid!r} holds text that is not valid UTF-8 in this row"
+        return row
+    set_params(spec, row, {param: r[getattr(inp, key)] for key, param in ROW_PARAM_COLUMNS.items()
+                           if getattr(inp, key)})
+    if inp.template:
+        missing = [c for c in inp.template_columns if r[c] is None]
+        if missing:
+            row.error = row.error or f"prompt: template column {missing[0]!r} is null"
+        else:
+            row.prompt = inp.template.format_map(r)
+    else:
+        row.prompt = r[inp.messages_column or inp.prompt_column]
+    return row
 
 
 def _is_text(t: pa.DataType) -> bool:

@@ -18,7 +18,8 @@ from typing import Literal, Optional
 from datetime import datetime
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, create_model, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PositiveInt, ValidationError, create_model, field_validator,
+                      model_validator)
 
 from batchrun.config import EngineConfig
 from batchrun.job.errors import JobError
@@ -122,6 +123,35 @@ class BatchingSection(Section):
     max_waiting: Optional[PositiveInt] = None
 
 
+class ExecutorSection(Section):
+    """Where the job runs: this process (local) or a pool of engine replicas on Ray Data (ray)."""
+    kind: Literal["local", "ray"] = "local"
+    address: Optional[str] = Field(None, description="auto, ray://HOST:10001 or HOST:6379; unset: start a local Ray "
+                                                     "on 127.0.0.1")
+    replicas: int | list[int] = Field(1, description="engine replicas: a number, or [min, max] for an autoscaling "
+                                                     "pool")
+    gpus_per_replica: float = Field(0.0, ge=0)
+    cpus_per_replica: float = Field(1.0, gt=0, description="also the replica's torch threads (rounded, at least 1)")
+    max_batches_in_flight: PositiveInt = Field(4, description="batches queued in each replica's engine at once, so "
+                                                              "its continuous batch does not drain between them")
+    batch_size: PositiveInt = Field(64, description="rows per Ray batch; each batch is committed as one shard")
+    accelerator_type: Optional[str] = Field(None, description="Ray accelerator type for the replicas, e.g. H100")
+    shared_filesystem: bool = Field(False, description="input.path and output.path are on storage every node of a "
+                                                       "multi-host cluster mounts at the same path")
+
+    @field_validator("replicas")
+    @classmethod
+    def _replicas_range(cls, value):
+        bounds = value if isinstance(value, list) else [value]
+        if len(bounds) not in (1, 2) or any(n < 1 for n in bounds) or bounds[0] > bounds[-1]:
+            raise ValueError(f"must be a positive integer or [min, max] with 1 <= min <= max, got {value!r}")
+        return value
+
+    @property
+    def replica_range(self) -> tuple[int, int]:
+        return (self.replicas, self.replicas) if isinstance(self.replicas, int) else tuple(self.replicas)
+
+
 class JobModel(Section):
     """A batchrun job file."""
     name: Optional[str] = None
@@ -136,6 +166,7 @@ class JobModel(Section):
     engine: EngineSection = Field(default_factory=EngineSection)
     batching: BatchingSection = Field(default_factory=BatchingSection)
     kv_quality_gate: KVQualityGateSection = Field(default_factory=KVQualityGateSection)
+    executor: ExecutorSection = Field(default_factory=ExecutorSection)
 
 
 def json_schema() -> dict:
@@ -153,6 +184,7 @@ class JobSpec:
     engine: EngineSection
     batching: BatchingSection
     kv_quality_gate: KVQualityGateSection
+    executor: ExecutorSection
 
     def __init__(self, raw: dict, path: str = "<dict>", lines: dict | None = None, base_dir: str = "."):
         self.path, self.lines, self.base_dir = path, lines or {}, base_dir
@@ -185,6 +217,13 @@ class JobSpec:
         for item in overrides:
             apply_override(raw, item, lines)
         return cls(raw, path, lines, os.path.dirname(os.path.abspath(path)))
+
+    def set_executor_kind(self, kind: str, source: str) -> None:
+        """executor.kind from outside the job file (Job.run(executor=...)); source names where it came from."""
+        allowed = typing.get_args(ExecutorSection.model_fields["kind"].annotation)
+        if kind not in allowed:
+            raise JobError(f"{source}: unknown executor {kind!r}; allowed: {', '.join(allowed)}")
+        self.executor = self.executor.model_copy(update={"kind": kind})
 
     def where(self, *key) -> str:
         line = self.lines.get(key)

@@ -177,7 +177,18 @@ def recommend(rows: list[dict], deadline: float | None) -> dict | None:
     if other:
         reason += (f"; next: {other['gpus']} x {other['gpu']} {other['kv_dtype']} at ${other['cost_usd']:.4g} "
                    f"(+{(other['cost_usd'] / max(best['cost_usd'], 1e-12) - 1) * 100:.0f}%)")
-    return {"gpu": best["gpu"], "kv_dtype": best["kv_dtype"], "gpus": best["gpus"], "reason": reason}
+    return {"gpu": best["gpu"], "kv_dtype": best["kv_dtype"], "gpus": best["gpus"], "reason": reason,
+            "executor": executor_stanza(best["gpu"], best["gpus"])}
+
+
+# catalog names -> Ray's accelerator types (ray.util.accelerators), where they differ
+_RAY_ACCELERATORS = {"H100-80GB": "H100", "H200-141GB": "H200", "A100-80GB": "A100-80G", "A100-40GB": "A100-40G"}
+
+
+def executor_stanza(gpu: str, gpus: int) -> dict:
+    """The job file's executor section that runs the plan: one Ray replica per GPU, on that GPU type."""
+    return {"kind": "ray", "address": "auto", "replicas": gpus, "gpus_per_replica": 1,
+            "accelerator_type": _RAY_ACCELERATORS.get(gpu, gpu)}
 
 
 def _dur(seconds: float) -> str:
@@ -207,6 +218,10 @@ def format_table(plan: dict) -> str:
     rec = plan["recommendation"]
     lines += ["", f"recommendation: {rec['reason']}" if rec else "recommendation: none of the GPU types fits or "
               "meets the deadline; raise --deadline or add GPU types"]
+    if rec:
+        stanza = ", ".join(f"{k}: {v}" for k, v in rec["executor"].items())
+        lines.append(f"to run it on Ray, in the job file: executor: {{{stanza}}}  and  engine: {{kv_cache_dtype: "
+                     f"{rec['kv_dtype']}}}")
     if "mixed" in plan:
         lines += ["", *format_mixed(plan["mixed"])]
     return "\n".join(lines)

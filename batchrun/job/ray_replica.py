@@ -1,0 +1,137 @@
+"""One engine replica on Ray: an actor that loads the model once and turns batches of input rows into committed
+shards.
+
+Ray Data calls the actor with several batches at once (max_concurrency): each call queues its rows in the one
+engine, and a single stepping task drives the engine while any call waits, so the continuous batch keeps running
+across batch edges. A call returns after its shard is committed, with one row of figures for the driver's progress
+(rows, tokens, this replica's engine figures), never the results themselves.
+
+Exactly once: the shard's name is a function of the run and of the row indices it holds, so when Ray retries a
+batch (its actor died after writing) the retry rewrites the same shard instead of adding a second copy. A shard is
+committed only while the run's token in OUT/.ray_run is this run's: actors left over from a killed driver cannot
+add rows that a resumed run has already planned to do again.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import resource
+import socket
+import time
+
+import pyarrow as pa
+
+from batchrun.job.prompts import PromptEncoder
+from batchrun.job.records import RecordMaker
+from batchrun.job.sink import ShardStore, _write_file
+from batchrun.job.source import records, row_from_record
+from batchrun.job.spec import JobSpec
+
+RUN_TOKEN = ".ray_run"
+
+
+def shard_name(run_number: int, row_indices: list[int]) -> str:
+    digest = hashlib.sha256(",".join(map(str, sorted(row_indices))).encode()).hexdigest()[:16]
+    return f"part-{run_number:06d}-{digest}.parquet"
+
+
+def read_token(out_dir: str) -> str | None:
+    try:
+        with open(os.path.join(out_dir, RUN_TOKEN)) as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return None
+
+
+class StaleRun(RuntimeError):
+    """This actor's run was replaced (its driver died and the job was submitted again): do not commit."""
+
+
+class ReplicaEngine:
+    def __init__(self, spec: JobSpec, engine_options: dict, out_dir: str, schema: pa.Schema, run_number: int,
+                 run_token: str, threads: int):
+        import torch
+
+        from batchrun import LLM
+        torch.set_num_threads(threads)
+        started = time.perf_counter()
+        self.spec, self.out_dir, self.schema = spec, out_dir, schema
+        self.run_number, self.run_token = run_number, run_token
+        self.store = ShardStore(out_dir)
+        self.llm = LLM(model=spec.model, **engine_options)
+        self.engine = self.llm.engine
+        self.encoder = PromptEncoder(spec.input, self.llm.tokenizer, self.engine.max_model_len)
+        self.replica = f"{socket.gethostname()}:{os.getpid()}"
+        self.load_s = time.perf_counter() - started
+        self.ready_at = time.time()
+        self.records = RecordMaker(spec)
+        self.waiting: dict[str, tuple[asyncio.Future, int]] = {}   # request id -> (its outputs, when all n are in)
+        self.finished: dict[str, list] = {}
+        self.stepper: asyncio.Task | None = None
+        self.batches = 0
+        self.kv_peak = 0
+
+    async def __call__(self, batch: pa.Table) -> pa.Table:
+        started = time.perf_counter()
+        indices = batch.column("row_index").to_pylist()
+        rows = [row_from_record(self.spec, index, r) for index, r in zip(indices, records(batch))]
+        self.encoder.prepare(rows)
+        good = [row for row in rows if not row.error]
+        if self.spec.batching.bucketing:   # length bucketing inside each batch, shortest (or longest) first
+            good.sort(key=lambda r: len(r.token_ids), reverse=self.spec.batching.longest_first)
+        self.batches += 1
+        loop = asyncio.get_running_loop()
+        futures = []
+        for rank, row in enumerate(good):
+            future = loop.create_future()
+            self.waiting[str(row.index)] = future, row.params.n
+            futures.append(future)
+            self.engine.add_request(row.token_ids, row.params, request_id=str(row.index),
+                                    lane=self.spec.engine.lane, order_key=(self.batches, rank))
+        if self.stepper is None or self.stepper.done():
+            self.stepper = asyncio.create_task(self._step())
+        outs = dict(zip((row.index for row in good), await asyncio.gather(*futures)))
+        results = [record for row in rows for record in self.records.records(row, outs.get(row.index))]
+        self._commit(indices, results)
+        tokens = sum(r["completion_tokens"] for r in results)
+        failed = len({r["row_index"] for r in results if r["status"] == "error"})   # input rows, not samples
+        return pa.table(self._figures(len(rows), failed, tokens,
+                                      time.perf_counter() - started))
+
+    async def _step(self) -> None:
+        """Step the engine while any call waits; yield between steps so new batches join the running batch."""
+        try:
+            while self.waiting:
+                for out in self.llm.step():
+                    if not out.finished:
+                        continue
+                    outs = self.finished.setdefault(out.request_id, [])
+                    outs.append(out)
+                    future, n = self.waiting[out.request_id]
+                    # all n samples in, or ended before its first token (its other samples never started)
+                    if len(outs) == n or not (out.token_ids or out.sample_index):
+                        del self.finished[out.request_id], self.waiting[out.request_id]
+                        future.set_result(outs)
+                self.kv_peak = max(self.kv_peak, self.engine.stats.kv_blocks_used)
+                await asyncio.sleep(0)
+        except Exception as exc:   # an engine failure fails the waiting calls instead of leaving them hanging
+            for future, _ in self.waiting.values():
+                future.set_exception(exc)
+            self.waiting.clear()
+
+    def _commit(self, indices: list[int], results: list[dict]) -> None:
+        if read_token(self.out_dir) != self.run_token:
+            raise StaleRun(f"{self.out_dir}: the job was submitted again; this replica's run no longer commits")
+        _write_file(self.store.dir, shard_name(self.run_number, indices),
+                   pa.Table.from_pylist(results, schema=self.schema))
+
+    def _figures(self, rows: int, failed: int, tokens: int, batch_s: float) -> dict:
+        engine = self.engine
+        return {"replica": [self.replica], "rows": [rows], "failed": [failed], "output_tokens": [tokens],
+                "batch_s": [batch_s], "finished_at": [time.time()], "ready_at": [self.ready_at],
+                "load_s": [self.load_s],
+                "preemptions": [engine.stats.preemptions], "kv_cache_dtype": [engine.config.kv_cache_dtype],
+                "kv_blocks_peak": [self.kv_peak], "kv_blocks_total": [engine.num_blocks],
+                "kv_pool_bytes": [engine.num_blocks * engine.config.block_size * engine.kv_bytes_per_token],
+                "peak_rss_bytes": [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024]}
