@@ -259,3 +259,19 @@ def test_unreachable_address_refused_before_work(tmp_path, tiny_model):
     run = cli("submit", job, "--progress", "log", timeout=60)
     assert run.returncode == EXIT_INVALID and "executor.address" in run.stderr and "nothing answers" in run.stderr
     assert not os.path.exists(tmp_path / "out" / "job" / "data"), "work started"
+
+
+def test_n_samples_on_ray(cluster, tmp_path, tiny_model):
+    """sampling.n on Ray: one row per (id, sample_index), the same rows as the local executor."""
+    pq.write_table(pa.table({"id": [f"s{i}" for i in range(40)],
+                             "prompt": [" ".join(WORDS[:2 + i % 9]) for i in range(40)]}), tmp_path / "in.parquet")
+    sections = {"sampling": {"max_tokens": 3, "temperature": 1.0, "seed": 5, "n": 2, "ignore_eos": True},
+                "engine": {"max_num_seqs": 16}}
+    job = write_job(tmp_path, tiny_model[0], executor={**RAY, "batch_size": 8}, **sections)
+    result = Job.from_yaml(job).run(progress="log")
+    assert result.exit_code == 0
+    table = ShardStore(result.output_dir).read(["id", "sample_index", "text"])
+    rows = sorted(zip(*(table.column(c).to_pylist() for c in ("id", "sample_index", "text"))))
+    assert [(i, k) for i, k, _ in rows] == sorted((f"s{i}", k) for i in range(40) for k in range(2))
+    summary = json.load(open(os.path.join(result.output_dir, "summary.json")))
+    assert summary["rows_ok"] == 40 and sum(r["rows"] for r in summary["replicas"]) == 40
