@@ -50,8 +50,9 @@ class StepSplit:
         return call
 
     def shares(self, total: float) -> dict:
-        parts = {k: round(v / total, 3) for k, v in self.seconds.items()}
-        return parts | {"rest": round(1 - sum(parts.values()), 3), "step_s_total": round(total, 3)}
+        # 6 places: a part of a few hundred microseconds in a loaded step must not round to 0
+        parts = {k: round(v / total, 6) for k, v in self.seconds.items()}
+        return parts | {"rest": round(1 - sum(parts.values()), 6), "step_s_total": round(total, 3)}
 
 
 def sample_prompts(n: int, max_chars: int | None = None) -> list[list[dict]]:
