@@ -65,7 +65,7 @@ class ReplicaEngine:
         self.replica = f"{socket.gethostname()}:{os.getpid()}"
         self.load_s = time.perf_counter() - started
         self.ready_at = time.time()
-        self.records = RecordMaker(spec)
+        self.record_maker = RecordMaker(spec)
         self.waiting: dict[str, tuple[asyncio.Future, int]] = {}   # request id -> (its outputs, when all n are in)
         self.finished: dict[str, list] = {}
         self.stepper: asyncio.Task | None = None
@@ -92,7 +92,7 @@ class ReplicaEngine:
         if self.stepper is None or self.stepper.done():
             self.stepper = asyncio.create_task(self._step())
         outs = dict(zip((row.index for row in good), await asyncio.gather(*futures)))
-        results = [record for row in rows for record in self.records.records(row, outs.get(row.index))]
+        results = [record for row in rows for record in self.record_maker.records(row, outs.get(row.index))]
         self._commit(indices, results)
         tokens = sum(r["completion_tokens"] for r in results)
         failed = len({r["row_index"] for r in results if r["status"] == "error"})   # input rows, not samples
