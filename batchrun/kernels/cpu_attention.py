@@ -51,8 +51,13 @@ def load():
     build.mkdir(parents=True, exist_ok=True)
     if not any(build.glob("*.so")):
         log.info("CPU attention kernel: building once into %s (about a minute)", build)
+    # Build from a copy in the (content-keyed) build directory: ninja records the source's path, so building from
+    # the checkout made every other checkout of the same source (a worktree, a Ray worker's copy) rebuild.
+    source = build / _SOURCE.name
+    if not source.exists():
+        shutil.copyfile(_SOURCE, source)
     try:
-        _module = cpp_extension.load(name="batchrun_cpu_attention", sources=[str(_SOURCE)], build_directory=str(build),
+        _module = cpp_extension.load(name="batchrun_cpu_attention", sources=[str(source)], build_directory=str(build),
                                      extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
                                      extra_ldflags=["-fopenmp"])
     except Exception as exc:   # a missing toolchain piece shows up only here
