@@ -9,7 +9,7 @@ import click
 
 from batchrun.config import EngineConfig
 from batchrun.job.errors import EXIT_CODES
-from batchrun.job.spec import JOB_SAMPLING_DEFAULTS
+from batchrun.job.sections import JOB_SAMPLING_DEFAULTS
 
 
 @click.group()
@@ -269,7 +269,7 @@ def status(job, overrides) -> None:
                     "batchrun schema > job.schema.json, then '# yaml-language-server: $schema=job.schema.json' "
                     "as the job file's first line.")
 def schema() -> None:
-    from batchrun.job.spec import json_schema
+    from batchrun.job.sections import json_schema
     click.echo(json.dumps(json_schema(), indent=2))
 
 

@@ -97,7 +97,7 @@ def test_engine_section_accepts_interactive_lane_options(tmp_path, tiny_model):
 def test_engine_and_sampling_keys_come_from_engine_config_and_sampling_params():
     import dataclasses
     from batchrun.config import EngineConfig
-    from batchrun.job.spec import EngineSection, SamplingSection
+    from batchrun.job.sections import EngineSection, SamplingSection
     from batchrun.sampling_params import SamplingParams
     assert set(EngineSection.model_fields) == {f.name for f in dataclasses.fields(EngineConfig)} - {"model"} | {"lane"}
     assert set(SamplingSection.model_fields) == ({f.name for f in dataclasses.fields(SamplingParams)} - {"logprobs"}

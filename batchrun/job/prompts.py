@@ -3,7 +3,7 @@ gets an error and fails alone."""
 from __future__ import annotations
 
 from batchrun.job.source import Row
-from batchrun.job.spec import InputSection
+from batchrun.job.sections import InputSection
 
 
 class PromptEncoder:
