@@ -60,7 +60,7 @@ class JobSpec:
         except OSError as exc:
             raise JobError(f"{path}: cannot read the job file ({exc.strerror})") from exc
         try:
-            raw = yaml.load(text, Loader=_UniqueKeyLoader) or {}
+            raw = yaml.load(text, Loader=_UniqueKeyLoader) or {}   # SafeLoader plus a duplicate-key check
             lines = _line_map(text)
         except DuplicateKey as exc:
             raise JobError(f"{path}: {exc}") from None
