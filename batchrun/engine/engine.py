@@ -274,9 +274,7 @@ class Engine:
     def _output(self, request: Request) -> RequestOutput:
         done = request.finished
         samples = self.requests.get(request.request_id, [])
-        # the prompt's samples all finished (or it ended before its first token, when they would have forked)
-        if done and samples and all(r.finished for r in samples) and (len(samples) == request.params.n
-                                                          or samples[0].forks_pending):
+        if done and samples and len(samples) == request.num_samples and all(r.finished for r in samples):
             self.requests.pop(request.request_id, None)
         return RequestOutput(
             request_id=request.request_id, prompt_tokens=request.num_prompt_tokens,
@@ -285,7 +283,8 @@ class Engine:
             logprobs=list(request.logprobs) if request.params.logprobs else None,
             cached_tokens=request.num_cached_tokens,
             time_to_first_token=(request.first_token_time - request.arrival_time) if request.first_token_time else None,
-            latency=(request.finish_time - request.arrival_time) if done else None, sample_index=request.sample_index)
+            latency=(request.finish_time - request.arrival_time) if done else None, sample_index=request.sample_index,
+            num_samples=request.num_samples)
 
     def _update_stats(self, plan: StepPlan, context_tokens: int, step_time: float) -> None:
         s = self.stats

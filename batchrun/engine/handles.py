@@ -62,9 +62,8 @@ class RequestHandle:
     """Filled by the stepping thread through `_push`; read from any thread (or event loop). With n samples, the
     chunks of all samples come through one stream (each chunk's output says which sample)."""
 
-    def __init__(self, request_id: str, tokenizer, cancel, n: int = 1):
+    def __init__(self, request_id: str, tokenizer, cancel):
         self.request_id = request_id
-        self.n = n
         self._tokenizer = tokenizer
         self._cancel = cancel
         self._chunks: queue.Queue[StreamChunk] = queue.Queue()
@@ -77,8 +76,7 @@ class RequestHandle:
         new_ids, new_text = decoder.push(output)
         if output.finished:
             self._finals[output.sample_index] = output
-        # done with every sample, or ended before its first token (its other samples never started)
-        last = output.finished and (len(self._finals) == self.n or not (output.token_ids or output.sample_index))
+        last = output.finished and len(self._finals) == output.num_samples
         self._chunks.put(StreamChunk(new_ids, new_text, output, last))
         if last:
             self._done.set()

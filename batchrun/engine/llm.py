@@ -91,7 +91,7 @@ class LLM:
                                        f"(limit {self.max_pending_submits}); retry later")
             request_id = request_id or f"submit-{next(self._submit_ids)}"
             params = params or SamplingParams()
-            handle = RequestHandle(request_id, self.tokenizer, self._inbox_abort, params.n)
+            handle = RequestHandle(request_id, self.tokenizer, self._inbox_abort)
             self._handles[request_id] = handle
             self._inbox.append((token_ids, params, request_id, lane, priority))
         self._wake.set()
@@ -182,7 +182,7 @@ class LLM:
         for prompt, p in zip(prompts, params):
             ids.append(self.engine.add_request(self.encode(prompt), p, lane=lane, priority=priority).request_id)
         try:
-            results = self._run_until_done({i: p.n for i, p in zip(ids, params)}, use_tqdm)
+            results = self._run_until_done(ids, sum(p.n for p in params), use_tqdm)
         except KeyboardInterrupt:   # Ctrl-C (a kernel interrupt): free this call's requests, keep the engine usable
             for request_id in ids:
                 self.engine.abort(request_id)
@@ -194,12 +194,11 @@ class LLM:
         """One conversation (a list of messages) or several; each goes through the chat template."""
         return self.generate(messages, sampling_params, **kwargs)
 
-    def _run_until_done(self, samples: dict[str, int], use_tqdm: bool) -> dict[str, list[RequestOutput]]:
-        """Step until each request id has its number of samples finished."""
-        results: dict[str, list[RequestOutput]] = {i: [] for i in samples}
-        pending = dict(samples)
-        bar = tqdm(total=sum(samples.values()), desc="generate", unit="req", disable=not use_tqdm,
-                   dynamic_ncols=True)
+    def _run_until_done(self, ids: list[str], expected: int, use_tqdm: bool) -> dict[str, list[RequestOutput]]:
+        """Step until each request id has all its samples' final outputs (`expected` of them at most, for the bar)."""
+        results: dict[str, list[RequestOutput]] = {i: [] for i in ids}
+        pending = set(ids)
+        bar = tqdm(total=expected, desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
         out_tokens, start = 0, time.perf_counter()
         with bar:
             while pending:
@@ -209,12 +208,8 @@ class LLM:
                     results[out.request_id].append(out)
                     out_tokens += len(out.token_ids)
                     bar.update(1)
-                    # a request that ended before its first token (rejected, aborted) never forked its samples
-                    left = pending[out.request_id] - 1 if out.token_ids or out.sample_index else 0
-                    if left:
-                        pending[out.request_id] = left
-                    else:
-                        del pending[out.request_id]
+                    if len(results[out.request_id]) == out.num_samples:
+                        pending.discard(out.request_id)
                 s = self.engine.stats
                 elapsed = max(time.perf_counter() - start, 1e-9)
                 bar.set_postfix_str(f"out {out_tokens / elapsed:.1f} tok/s, run {s.running}, wait {s.waiting}, "

@@ -68,6 +68,12 @@ class Request:
         """A prompt with n > 1 samples, before its first token: its siblings are forked from it then."""
         return self.params.n > 1 and self.sample_index == 0 and self.num_tokens == self.num_prompt_tokens
 
+    @property
+    def num_samples(self) -> int:
+        """How many final outputs its request id ends with: params.n, or 1 when it ended before its first token
+        (rejected or aborted: its other samples never started)."""
+        return 1 if self.finished and self.forks_pending else self.params.n
+
 
 @dataclass
 class RequestOutput:
@@ -83,3 +89,4 @@ class RequestOutput:
     time_to_first_token: float | None = None   # seconds from arrival
     latency: float | None = None               # seconds from arrival to finish
     sample_index: int = 0                      # with n > 1 samples per prompt: which one (same request_id)
+    num_samples: int = 1                       # final outputs its request_id ends with (Request.num_samples)

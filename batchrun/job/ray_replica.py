@@ -66,7 +66,7 @@ class ReplicaEngine:
         self.load_s = time.perf_counter() - started
         self.ready_at = time.time()
         self.record_maker = RecordMaker(spec)
-        self.waiting: dict[str, tuple[asyncio.Future, int]] = {}   # request id -> (its outputs, when all n are in)
+        self.waiting: dict[str, asyncio.Future] = {}   # request id -> its samples' final outputs, once all are in
         self.finished: dict[str, list] = {}
         self.stepper: asyncio.Task | None = None
         self.batches = 0
@@ -85,7 +85,7 @@ class ReplicaEngine:
         futures = []
         for rank, row in enumerate(good):
             future = loop.create_future()
-            self.waiting[str(row.index)] = future, row.params.n
+            self.waiting[str(row.index)] = future
             futures.append(future)
             self.engine.add_request(row.token_ids, row.params, request_id=str(row.index),
                                     lane=self.spec.engine.lane, order_key=(self.batches, rank))
@@ -108,15 +108,13 @@ class ReplicaEngine:
                         continue
                     outs = self.finished.setdefault(out.request_id, [])
                     outs.append(out)
-                    future, n = self.waiting[out.request_id]
-                    # all n samples in, or ended before its first token (its other samples never started)
-                    if len(outs) == n or not (out.token_ids or out.sample_index):
-                        del self.finished[out.request_id], self.waiting[out.request_id]
-                        future.set_result(outs)
+                    if len(outs) == out.num_samples:
+                        del self.finished[out.request_id]
+                        self.waiting.pop(out.request_id).set_result(outs)
                 self.kv_peak = max(self.kv_peak, self.engine.stats.kv_blocks_used)
                 await asyncio.sleep(0)
         except Exception as exc:   # an engine failure fails the waiting calls instead of leaving them hanging
-            for future, _ in self.waiting.values():
+            for future in self.waiting.values():
                 future.set_exception(exc)
             self.waiting.clear()
 

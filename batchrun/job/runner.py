@@ -119,11 +119,10 @@ class JobRunner:
                         continue
                     outs = finished.setdefault(out.request_id, [])
                     outs.append(out)
-                    row = inflight[out.request_id]
-                    # a request that ended before its first token never forked its other samples
-                    if len(outs) < row.params.n and (out.token_ids or out.sample_index):
+                    if len(outs) < out.num_samples:
                         continue
-                    del inflight[out.request_id], finished[out.request_id]
+                    row = inflight.pop(out.request_id)
+                    del finished[out.request_id]
                     saved = records.records(row, outs)
                     self._save(sink, saved)
                     progress.row(failed=all(r["status"] == "error" for r in saved),
