@@ -2,6 +2,7 @@
 output.parse_json the parsed, validated JSON, or the row's failure when the output is not what was asked for."""
 from __future__ import annotations
 
+import functools
 import json
 
 import jsonschema
@@ -38,16 +39,15 @@ class RecordMaker:
         return [self._record(row, out, k) for k in range(n if self.samples else 1)]
 
     def _record(self, row: Row, out, sample_index: int) -> dict:
-        ok = out is not None and out.finish_reason != "error"
-        error = None if ok else (row.error or out.error)
-        parsed = None
-        if ok and self.parse_json:
-            parsed, error = parse_output(out.text, out.finish_reason, row.params.json_schema)
+        generated = out is not None and out.finish_reason != "error"
+        ok, error, parsed = generated, None if generated else (row.error or out.error), None
+        if generated and self.parse_json:
+            parsed, error = parse_output(out.text, out.finish_reason, row.params.constraint)
             ok = error is None
-        record = {"id": row.id, "text": out.text if out is not None and out.finish_reason != "error" else None,
+        record = {"id": row.id, "text": out.text if generated else None,
                   "finish_reason": out.finish_reason if out else "error",
                   "prompt_tokens": out.prompt_tokens if out else len(row.token_ids or []),
-                  "completion_tokens": len(out.token_ids) if out is not None and out.finish_reason != "error" else 0,
+                  "completion_tokens": len(out.token_ids) if generated else 0,
                   "status": "ok" if ok else "error", "error": error, "latency": out.latency if out else None,
                   "time_to_first_token": out.time_to_first_token if out else None,
                   "cached_tokens": out.cached_tokens if out else 0, "row_index": row.index, **row.passthrough}
@@ -58,18 +58,25 @@ class RecordMaker:
         return record
 
 
-def parse_output(text: str, finish_reason: str, schema) -> tuple[str | None, str | None]:
-    """(the value as strict JSON text, None) or (None, why not). Raw control characters inside strings (which
-    xgrammar's JSON grammar lets through) are accepted and written back escaped."""
+def parse_output(text: str, finish_reason: str, constraint: tuple[str, str] | None) -> tuple[str | None, str | None]:
+    """(the value as strict JSON text, None) or (None, why not); checked against the row's JSON schema when it has
+    one. Raw control characters inside strings (which xgrammar's JSON grammar lets through) are accepted and written
+    back escaped."""
     try:
         value = json.loads(text, strict=False)
     except ValueError as exc:
         if finish_reason == "length":
             return None, "length: incomplete JSON (max_tokens reached)"
         return None, f"json: the output is not valid JSON ({exc})"
-    if schema is not None:
-        try:
-            jsonschema.validate(value, json.loads(schema) if isinstance(schema, str) else schema)
-        except jsonschema.ValidationError as exc:
-            return None, f"json: the output does not match the schema ({exc.message})"
+    if constraint is not None and constraint[0] == "json_schema":
+        error = jsonschema.exceptions.best_match(_validator(constraint[1]).iter_errors(value))
+        if error is not None:
+            return None, f"json: the output does not match the schema ({error.message})"
     return json.dumps(value, ensure_ascii=False), None
+
+
+@functools.lru_cache(maxsize=256)
+def _validator(schema: str):
+    """A validator per distinct schema text (jsonschema.validate would check the schema itself again every row)."""
+    loaded = json.loads(schema)
+    return jsonschema.validators.validator_for(loaded)(loaded)
