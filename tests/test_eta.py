@@ -1,6 +1,7 @@
 """The job's time left: from the work left (simulated over the real scheduler with the step-time model fitted on
 the job's own steps), not from the rows left; deadline verdicts; the figures in summary.json, metrics.prom and
 status while running; a resumed run's estimate starts from the saved steps."""
+import random
 from datetime import datetime, timedelta
 
 import pytest
@@ -10,6 +11,7 @@ import batchrun.job.progress as progress_module
 from batchrun.engine.request import Request
 from batchrun.job import Job, JobError, JobSpec
 from batchrun.job.eta import EtaEstimator, OutputLengths, deadline_verdict, parse_deadline
+from batchrun.planner.costmodel import ContextPrior
 from batchrun.planner.simulate import fake_forward, make_scheduler
 from batchrun.sampling_params import SamplingParams
 from jobkit import write_job, write_prompts
@@ -33,21 +35,24 @@ class FakeClock:
 class SyntheticJob:
     """Requests stepped through the real scheduler on the synthetic step time, observed as the runner does."""
 
-    def __init__(self, outputs: list[int], prompt_lens: list[int], saved: dict | None = None):
-        self.clock = FakeClock()
+    def __init__(self, outputs: list[int], prompt_lens: list[int], saved: dict | None = None, jitter: float = 0.0,
+                 prior: ContextPrior | None = None, step_time=step_seconds):
+        self.clock, self.step_time = FakeClock(), step_time
+        self.jitter = random.Random(0), jitter   # step times that vary as on a shared CPU
         self.scheduler = make_scheduler(POOL["num_blocks"], POOL["block_size"], POOL["max_num_seqs"],
                                         POOL["max_num_batched_tokens"], False)
         for i, (out, n) in enumerate(zip(outputs, prompt_lens)):
             self.scheduler.add(Request(str(i), [5 + (i + j) % 200 for j in range(n)],
                                        SamplingParams(max_tokens=out, temperature=0), arrival_index=i))
         self.eta = EtaEstimator(**POOL, rows_to_read=0, window=8192, bucketing=False, longest_first=False,
-                                saved=saved, clock=self.clock, wall_clock=self.clock, min_interval_s=0)
+                                prior=prior, saved=saved, clock=self.clock, wall_clock=self.clock, min_interval_s=0)
         self.total, self.done = len(outputs), 0
 
     def step(self) -> None:
         plan = self.scheduler.schedule()
         context = sum(r.num_computed_tokens + n for r, n in plan.scheduled)
-        seconds = step_seconds(plan.num_tokens, context)
+        rng, jitter = self.jitter
+        seconds = self.step_time(plan.num_tokens, context) * rng.uniform(1 - jitter, 1 + jitter)
         self.clock.t += seconds
         self.eta.observe_step(plan.num_tokens, len(plan.scheduled), context, seconds)
         for request in fake_forward(self.scheduler, plan):
@@ -77,6 +82,23 @@ def test_short_rows_first_do_not_fool_the_estimate():
     actual = job.time_to_finish()
     assert eta is not None and abs(eta.seconds_left - actual) / actual < 0.15, (eta, actual)
     assert row_count_eta < 0.5 * actual   # what the rows-left estimate said
+
+
+def test_a_full_kv_pool_does_not_fool_the_estimate():
+    # longest first: 8 long rows keep the KV pool full (every step's context sum about the pool's 1,600 tokens),
+    # then 60 short ones. As on the CPU, a prefill step costs 10x the context's share and step times jitter by 5 %:
+    # the steps of the first half alone cannot tell a context token's cost from the step's own. The prior from the
+    # bytes (c = ratio x a) can
+    def step_time(tokens: int, context: int) -> float:
+        return 0.01 + 0.004 * tokens + 1.25e-5 * context
+
+    estimates = {}
+    for name, prior in (("free", None), ("prior", ContextPrior(1.25e-5 / 0.01))):
+        job = SyntheticJob([40] * 68, [360] * 8 + [8] * 60, jitter=0.05, prior=prior, step_time=step_time)
+        job.run_until(4)
+        estimates[name] = job.eta.estimate(job.scheduler, []).seconds_left / job.time_to_finish()
+    assert abs(estimates["free"] - 1) > 0.15, estimates   # the steps alone get it wrong here
+    assert abs(estimates["prior"] - 1) < 0.1, estimates
 
 
 def test_the_estimate_falls_as_work_is_done():

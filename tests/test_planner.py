@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -11,7 +12,7 @@ from batchrun.engine import kv_cache
 from batchrun.job.spec import JobSpec
 from batchrun.planner import catalog, plan as planner
 from batchrun.planner.calibrate import calibrate, run_calibration
-from batchrun.planner.costmodel import ModelSpec, RooflineModel, StepShape, fit_linear
+from batchrun.planner.costmodel import ContextPrior, ModelSpec, RooflineModel, StepShape, fit_linear
 from batchrun.planner.simulate import WorkItem, simulate, timeline
 from batchrun.planner.workload import Workload, load_workload, read_model_config
 from jobkit import cli, write_job, write_prompts
@@ -145,6 +146,37 @@ def test_fit_recovers_a_linear_step_time_and_reports_held_out_error():
     assert model.heldout_error < 0.1
     with pytest.raises(ValueError, match="calibration"):
         fit_linear(shapes[:3], times[:3])
+
+
+def test_fit_takes_the_context_cost_from_the_prior_only_where_the_steps_cannot_tell_it():
+    rng = np.random.default_rng(0)
+    a, b, c = 0.09, 2.7e-3, 7.7e-6            # c / a = 8.6e-5: fp32 SmolLM2's KV bytes per token / weight bytes
+
+    def noisy(shapes):
+        return [(a + b * s.tokens + c * s.kv_tokens) * rng.uniform(0.95, 1.05) for s in shapes]
+
+    # a full KV pool: every step's context sum within 3 % of 23k tokens
+    full = [StepShape(n, n, int(23000 * rng.uniform(0.97, 1.0)), 0) for n in rng.integers(16, 33, 200)]
+    times = noisy(full)
+    free = fit_linear(full, times, holdout_every=0)
+    tied = fit_linear(full, times, holdout_every=0, prior=ContextPrior(c / a))
+    decode_tail = StepShape(32, 32, 3000, 0)   # what comes after: short contexts
+    truth = a + b * 32 + c * 3000
+    assert tied.step_time(decode_tail) == pytest.approx(truth, rel=0.1)
+    assert free.step_time(decode_tail) > 1.3 * truth   # c lost in a: the tail priced for a full pool
+    # contexts that vary: the data decide, a prior 3x off moves the fit by little
+    varied = [StepShape(n, n, int(k), 0) for n, k in zip(rng.integers(16, 33, 200), rng.uniform(1000, 23000, 200))]
+    times = noisy(varied)
+    for ratio in (c / a / 3, 3 * c / a):
+        wrong = fit_linear(varied, times, holdout_every=0, prior=ContextPrior(ratio))
+        for shape in (decode_tail, StepShape(32, 32, 23000, 0), StepShape(16, 16, 12000, 0)):
+            assert wrong.step_time(shape) == pytest.approx(a + b * shape.tokens + c * shape.kv_tokens, rel=0.05)
+
+
+def test_fit_never_gives_a_negative_coefficient():
+    shapes = [StepShape(t, 1, k, 0) for t, k in ((10 + 7 * i, 100 + 50 * i) for i in range(20))]
+    model = fit_linear(shapes, [max(0.0, -0.05 + 0.01 * s.tokens) for s in shapes], holdout_every=0)
+    assert min(model.a, model.b, model.c) >= 0
 
 
 def test_plan_command_on_a_job(tmp_path, tiny_model):

@@ -20,7 +20,7 @@ from datetime import datetime, timedelta
 
 import numpy as np
 
-from batchrun.planner.costmodel import LinearModel, StepShape, fit_linear
+from batchrun.planner.costmodel import ContextPrior, LinearModel, ModelSpec, StepShape, fit_linear
 from batchrun.planner.simulate import WorkItem, simulate, timeline
 
 log = logging.getLogger("batchrun.job")
@@ -92,7 +92,9 @@ class OutputLengths:
 class EtaEstimator:
     def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                  prefix_caching: bool, rows_to_read: int, window: int, bucketing: bool, longest_first: bool,
-                 saved: dict | None = None, clock=time.monotonic, wall_clock=time.time, min_interval_s: float = 30.0):
+                 prior: ContextPrior | None = None, saved: dict | None = None, clock=time.monotonic,
+                 wall_clock=time.time, min_interval_s: float = 30.0):
+        self.prior = prior   # c ~ ratio x a, for a record whose context sums hardly vary (a full pool)
         self.pool = (num_blocks, block_size, max_num_seqs, max_num_batched_tokens, prefix_caching)
         self.rows_to_read, self.window = rows_to_read, window
         self.bucketing, self.longest_first = bucketing, longest_first
@@ -182,7 +184,7 @@ class EtaEstimator:
         shapes = [StepShape(t, s, c, 0) for t, s, c, _ in self.steps]
         times = [seconds for *_, seconds in self.steps]
         try:
-            model = fit_linear(shapes, times)
+            model = fit_linear(shapes, times, holdout_every=0, prior=self.prior)
         except (ValueError, np.linalg.LinAlgError):
             return None
         model.scale = sum(times) / max(sum(model.step_time(s) for s in shapes), 1e-12)
@@ -231,6 +233,13 @@ class EtaEstimator:
                 items[start:start + window] = sorted(items[start:start + window], key=lambda i: i.prompt,
                                                      reverse=self.longest_first)
         return items
+
+
+def context_prior(engine) -> ContextPrior:
+    """The engine's KV bytes per context token over the bytes of its weights (every expert counted: a decode step
+    of a batch reads most of them)."""
+    weights = ModelSpec.from_config(engine.hf_config).num_params * engine.dtype.itemsize
+    return ContextPrior.from_bytes(engine.kv_bytes_per_token, weights)
 
 
 def parse_deadline(value, now: datetime | None = None) -> datetime:

@@ -8,6 +8,7 @@ fitted by least squares on measured steps (calibration).
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -185,17 +186,52 @@ def _mape(pred: np.ndarray, y: np.ndarray) -> float:
     return float(np.mean(np.abs(pred - y) / np.maximum(y, 1e-9)) * 100)
 
 
-def fit_linear(shapes: list[StepShape], times: list[float], holdout_every: int = 5) -> LinearModel:
-    """Least squares on all but every `holdout_every`-th step; those are held out to report the error."""
-    if len(shapes) < 2 * holdout_every:
+@dataclass(frozen=True)
+class ContextPrior:
+    """What the fit assumes about c where the steps cannot tell it apart from a: c = ratio x a, to within `spread`.
+
+    A decode step reads every weight once (a) and each context token's KV once (c); where both are bandwidth-bound
+    their ratio is the ratio of the bytes, KV bytes per token / weight bytes, whatever the machine's bandwidth. While
+    the KV pool is full, every step's context sum is about the same, and least squares alone puts the attention into
+    a, which then overprices the short-context steps that follow. Steps whose contexts vary outweigh the prior."""
+    ratio: float          # (s per context token) / (s per step)
+    spread: float = 0.25  # its relative standard deviation
+
+    @classmethod
+    def from_bytes(cls, kv_bytes_per_token: float, weight_bytes: float) -> "ContextPrior":
+        return cls(kv_bytes_per_token / max(weight_bytes, 1.0))
+
+    def row(self, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The prior as one more least-squares row, w x (c - ratio x a) = 0: a Gaussian prior on c - ratio x a with
+        deviation spread x ratio x a0, weighed against the steps' noise sigma (w = sigma / deviation); a0 and sigma
+        come from the fit tied to the prior (c = ratio x a)."""
+        tied_x = np.c_[x[:, 0] + self.ratio * x[:, 2], x[:, 1]]
+        tied = _nonneg_lstsq(tied_x, y)
+        if tied[0] <= 0:
+            return np.zeros((0, 3)), np.zeros(0)
+        sigma = 1.4826 * np.median(np.abs(y - tied_x @ tied)) + 1e-9
+        w = sigma / (self.spread * self.ratio * tied[0])
+        return np.array([[-w * self.ratio, 0.0, w]]), np.zeros(1)
+
+
+def fit_linear(shapes: list[StepShape], times: list[float], holdout_every: int = 5,
+               prior: ContextPrior | None = None) -> LinearModel:
+    """Least squares with non-negative coefficients on all but every `holdout_every`-th step; those are held out to
+    report the error (holdout_every=0: fit on every step, no held-out error)."""
+    need = max(2 * holdout_every, 3)
+    if len(shapes) < need:
         raise ValueError(f"calibration: {len(shapes)} measured steps are too few to fit and check the step-time "
-                         f"model (need at least {2 * holdout_every}); run a longer pilot (--pilot-fraction)")
+                         f"model (need at least {need}); run a longer pilot (--pilot-fraction)")
     x = np.array([[1.0, s.tokens, s.kv_tokens] for s in shapes])
     y = np.array(times, dtype=float)
-    held = np.arange(len(y)) % holdout_every == holdout_every - 1
+    held = (np.arange(len(y)) % holdout_every == holdout_every - 1) if holdout_every else np.zeros(len(y), bool)
     train = ~held
+    # steps of one token count only (so far, full prefill chunks): a and b cannot be told apart; the time goes to b
+    if np.ptp(x[:, 1]) == 0:
+        x[:, 0], prior = 0.0, None
     for _ in range(3):   # a shared CPU stalls now and then: drop steps far off the fit (3 robust sigmas), refit
-        coef = _lstsq(x[train], y[train])
+        extra_x, extra_y = prior.row(x[train], y[train]) if prior else (np.zeros((0, 3)), np.zeros(0))
+        coef = _nonneg_lstsq(np.vstack([x[train], extra_x]), np.concatenate([y[train], extra_y]))
         res = y - x @ coef
         sigma = 1.4826 * np.median(np.abs(res[train])) + 1e-9
         keep = ~held & (np.abs(res) <= 3 * sigma)
@@ -203,18 +239,24 @@ def fit_linear(shapes: list[StepShape], times: list[float], holdout_every: int =
             break
         train = keep
     pred = x @ coef
-    total = abs(pred[held].sum() - y[held].sum()) / max(y[held].sum(), 1e-9) * 100
+    total = abs(pred[held].sum() - y[held].sum()) / max(y[held].sum(), 1e-9) * 100 if held.any() else 0.0
     return LinearModel(*map(float, coef), train_error=_mape(pred[train], y[train]),
-                       heldout_error=_mape(pred[held], y[held]), heldout_total_error=float(total), steps=len(y),
-                       outliers=int((~held & ~train).sum()))
+                       heldout_error=_mape(pred[held], y[held]) if held.any() else 0.0,
+                       heldout_total_error=float(total), steps=len(y), outliers=int((~held & ~train).sum()))
 
 
-def _lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares with non-negative slopes (time never falls with more work): a negative one is dropped."""
-    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
-    if coef[1] < 0 or coef[2] < 0:
-        keep = [0] + [i for i in (1, 2) if coef[i] >= 0]
-        sub, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
-        coef = np.zeros(3)
-        coef[keep] = np.maximum(sub, 0.0)
-    return coef
+def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0 (time never falls with more work, and a step never takes less
+    than nothing): the best of the fits on each subset of the columns whose coefficients all come out >= 0."""
+    best, best_residual = np.zeros(x.shape[1]), float(y @ y)
+    columns = [i for i in range(x.shape[1]) if x[:, i].any()]
+    for size in range(1, len(columns) + 1):
+        for cols in itertools.combinations(columns, size):
+            sub, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
+            if (sub < 0).any():
+                continue
+            residual = float(np.sum((y - x[:, cols] @ sub) ** 2))
+            if residual < best_residual:
+                best, best_residual = np.zeros(x.shape[1]), residual
+                best[list(cols)] = sub
+    return best
