@@ -25,7 +25,7 @@ from batchrun.planner.simulate import WorkItem, simulate, timeline
 
 log = logging.getLogger("batchrun.job")
 WARMUP_STEPS = 2          # a run's first steps pay one-off costs (allocation, compilation): not fitted
-MIN_STEPS = 12            # steps needed before the first fit
+MIN_STEPS = 8             # steps needed before the first fit (a young fit is damped by the median of three)
 KEEP = 4096               # recent steps and finished lengths kept (and saved for a resumed run)
 MAX_SIMULATED = 2000      # rows not started beyond this are simulated as an evenly spaced sample, scaled up
 SIM_COST_SHARE = 0.02     # re-simulate at most so often that simulating costs <= 2% of the job's time
