@@ -5,7 +5,9 @@ t = a + b x tokens + c x context (the fit `batchrun plan --calibrate` uses) is r
 the work left is simulated over the real scheduler: the engine's running requests as they stand (their KV in the
 cache), its waiting ones, the rows read but not admitted, and the rows not read yet (prompt lengths drawn from
 the rows read so far, bucketed as the feed will). Output lengths come from the rows finished so far with the
-running ones as lower bounds (Kaplan-Meier), since outputs stop early and short ones finish first.
+running ones as lower bounds (Kaplan-Meier), since outputs stop early and short ones finish first. While long prompts
+keep the KV pool full, the steps cannot tell a context token's cost from the step's own; the fit then leans on a
+prior from the bytes each reads (costmodel.ContextPrior).
 """
 from __future__ import annotations
 

@@ -193,7 +193,8 @@ class ContextPrior:
     A decode step reads every weight once (a) and each context token's KV once (c); where both are bandwidth-bound
     their ratio is the ratio of the bytes, KV bytes per token / weight bytes, whatever the machine's bandwidth. While
     the KV pool is full, every step's context sum is about the same, and least squares alone puts the attention into
-    a, which then overprices the short-context steps that follow. Steps whose contexts vary outweigh the prior."""
+    a, which then overprices the short-context steps that follow. Steps whose contexts vary outweigh the prior. Where
+    a holds much besides reading the weights (launch and scheduling overhead on a GPU), ratio x a overstates c."""
     ratio: float          # (s per context token) / (s per step)
     spread: float = 0.25  # its relative standard deviation
 
