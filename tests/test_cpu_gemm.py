@@ -1,5 +1,11 @@
-"""Packed oneDNN linear layers match nn.Linear; where packing fails the layer runs unpacked, warning once."""
+"""Packed oneDNN linear layers match nn.Linear; where packing fails the layer runs unpacked, warning once; oneDNN's
+caches of per-shape primitives stay bounded."""
 import logging
+import os
+import subprocess
+import sys
+
+import pytest
 
 import torch
 import torch.nn.functional as F
@@ -28,3 +34,30 @@ def test_failed_packing_warns_once_and_runs_unpacked(monkeypatch, caplog):
     assert sum("packing unavailable" in r.message for r in caplog.records) == 1
     x = torch.randn(4, 16)
     torch.testing.assert_close(layers[0](x), F.linear(x, layers[0].weight))
+
+
+GROWTH = """
+import ctypes, os, torch
+from batchrun.models import cpu_gemm
+packed, x = cpu_gemm.pack(torch.randn(64, 32)), torch.randn(600, 32)
+def resident():
+    ctypes.CDLL(None).malloc_trim(0)   # count what is in use, not freed pages glibc still holds
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+for rows in range(1, 301):   # more row counts than the caches keep: they are full
+    cpu_gemm.linear(x[:rows], packed, None)
+before = resident()
+for rows in range(301, 601):
+    cpu_gemm.linear(x[:rows], packed, None)
+print(resident() - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not torch.backends.mkldnn.is_available(),
+                    reason="reads /proc and calls glibc's malloc_trim; needs oneDNN")
+def test_per_shape_primitive_caches_stay_bounded():
+    """Each new row count is a new oneDNN primitive (about 560 KiB in oneDNN's and ideep's caches together): once the
+    caches are full, 300 more row counts must not grow the process (with the default 1,024 entries: about 160 MiB)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    out = subprocess.run([sys.executable, "-c", GROWTH], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.split()[-1]) < 30 * 2**20

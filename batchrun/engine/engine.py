@@ -19,6 +19,7 @@ from batchrun.engine.request import Request, RequestOutput
 from batchrun.engine.sampler import Sampler
 from batchrun.engine.scheduler import Lane, Scheduler, StepPlan, WaitingQueue, default_admission_key
 from batchrun.engine.stop import StopRule
+from batchrun.models import cpu_gemm
 from batchrun.models.registry import model_class
 from batchrun.sampling_params import SamplingParams
 from batchrun.structured import GrammarCompiler
@@ -227,6 +228,8 @@ class Engine:
         elif not touched and self.scheduler.running:
             raise RuntimeError("scheduler planned no work while requests are running")
         self._update_stats(plan, context, time.perf_counter() - start)
+        if self.device.type == "cpu":
+            cpu_gemm.return_freed_memory()
         return [self._output(r) for r in touched]
 
     def _fork(self, logits: torch.Tensor, sample_reqs: list[Request]) -> tuple[torch.Tensor, list[Request]]:
