@@ -210,7 +210,7 @@ class ContextPrior:
         tied = _nonneg_lstsq(tied_x, y)
         if tied[0] <= 0:
             return np.zeros((0, 3)), np.zeros(0)
-        sigma = 1.4826 * np.median(np.abs(y - tied_x @ tied)) + 1e-9
+        sigma = _robust_sigma(y - tied_x @ tied)
         w = sigma / (self.spread * self.ratio * tied[0])
         return np.array([[-w * self.ratio, 0.0, w]]), np.zeros(1)
 
@@ -234,7 +234,7 @@ def fit_linear(shapes: list[StepShape], times: list[float], holdout_every: int =
         extra_x, extra_y = prior.row(x[train], y[train]) if prior else (np.zeros((0, 3)), np.zeros(0))
         coef = _nonneg_lstsq(np.vstack([x[train], extra_x]), np.concatenate([y[train], extra_y]))
         res = y - x @ coef
-        sigma = 1.4826 * np.median(np.abs(res[train])) + 1e-9
+        sigma = _robust_sigma(res[train])
         keep = ~held & (np.abs(res) <= 3 * sigma)
         if keep.sum() < 3 or (keep == train).all():
             break
@@ -244,6 +244,11 @@ def fit_linear(shapes: list[StepShape], times: list[float], holdout_every: int =
     return LinearModel(*map(float, coef), train_error=_mape(pred[train], y[train]),
                        heldout_error=_mape(pred[held], y[held]) if held.any() else 0.0,
                        heldout_total_error=float(total), steps=len(y), outliers=int((~held & ~train).sum()))
+
+
+def _robust_sigma(residuals: np.ndarray) -> float:
+    """The residuals' standard deviation from their median absolute value (stalls do not inflate it)."""
+    return 1.4826 * float(np.median(np.abs(residuals))) + 1e-9
 
 
 def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
