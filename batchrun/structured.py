@@ -10,8 +10,10 @@ from __future__ import annotations
 import functools
 import json
 import re
+import typing
 
-import torch
+if typing.TYPE_CHECKING:
+    import torch
 
 KINDS = ("json_schema", "regex", "choice", "grammar", "json_object")
 
