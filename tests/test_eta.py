@@ -2,6 +2,7 @@
 the job's own steps), not from the rows left; deadline verdicts; the figures in summary.json, metrics.prom and
 status while running; a resumed run's estimate starts from the saved steps."""
 import random
+from types import SimpleNamespace
 from datetime import datetime, timedelta
 
 import pytest
@@ -10,9 +11,10 @@ import yaml
 import batchrun.job.progress as progress_module
 from batchrun.engine.request import Request
 from batchrun.job import Job, JobError, JobSpec
+from batchrun.job.bucketing import RowFeed
 from batchrun.job.eta import EtaEstimator, OutputLengths, deadline_verdict, parse_deadline
 from batchrun.planner.costmodel import ContextPrior
-from batchrun.planner.simulate import fake_forward, make_scheduler
+from batchrun.planner.simulate import make_scheduler
 from batchrun.sampling_params import SamplingParams
 from jobkit import write_job, write_prompts
 
@@ -36,14 +38,17 @@ class SyntheticJob:
     """Requests stepped through the real scheduler on the synthetic step time, observed as the runner does."""
 
     def __init__(self, outputs: list[int], prompt_lens: list[int], saved: dict | None = None, jitter: float = 0.0,
-                 prior: ContextPrior | None = None, step_time=step_seconds):
+                 prior: ContextPrior | None = None, step_time=step_seconds, max_tokens: list[int] | None = None):
+        """Request i generates outputs[i] tokens: it stops there (token 1, a stop token) when max_tokens[i] is more."""
         self.clock, self.step_time = FakeClock(), step_time
         self.jitter = random.Random(0), jitter   # step times that vary as on a shared CPU
         self.scheduler = make_scheduler(POOL["num_blocks"], POOL["block_size"], POOL["max_num_seqs"],
                                         POOL["max_num_batched_tokens"], False)
-        for i, (out, n) in enumerate(zip(outputs, prompt_lens)):
+        self.outputs = outputs
+        for i, (out, n, most) in enumerate(zip(outputs, prompt_lens, max_tokens or outputs)):
             self.scheduler.add(Request(str(i), [5 + (i + j) % 200 for j in range(n)],
-                                       SamplingParams(max_tokens=out, temperature=0), arrival_index=i))
+                                       SamplingParams(max_tokens=most, temperature=0, stop_token_ids=[1]),
+                                       arrival_index=i))
         self.eta = EtaEstimator(**POOL, rows_to_read=0, window=8192, bucketing=False, longest_first=False,
                                 prior=prior, saved=saved, clock=self.clock, wall_clock=self.clock, min_interval_s=0)
         self.total, self.done = len(outputs), 0
@@ -55,7 +60,9 @@ class SyntheticJob:
         seconds = self.step_time(plan.num_tokens, context) * rng.uniform(1 - jitter, 1 + jitter)
         self.clock.t += seconds
         self.eta.observe_step(plan.num_tokens, len(plan.scheduled), context, seconds)
-        for request in fake_forward(self.scheduler, plan):
+        sampled = [(r, int(len(r.output_token_ids) + 1 == self.outputs[int(r.request_id)]), None)
+                   for r in plan.sampling]
+        for request in self.scheduler.update(plan, sampled):
             self.done += 1
             self.eta.observe_finished(len(request.output_token_ids), request.params.max_tokens,
                                       request.num_prompt_tokens)
@@ -82,6 +89,33 @@ def test_short_rows_first_do_not_fool_the_estimate():
     actual = job.time_to_finish()
     assert eta is not None and abs(eta.seconds_left - actual) / actual < 0.15, (eta, actual)
     assert row_count_eta < 0.5 * actual   # what the rows-left estimate said
+
+
+def test_the_pilot_prices_short_rows_left_for_the_tail():
+    # longest first: 12 long rows that run to their max_tokens, then 40 short questions that stop after 4 of their
+    # 200. Without the feed's pilot, nothing tells how early the questions stop until the first one does.
+    long, short = [(120, 40, 40)] * 12, [(8, 200, 4)] * 40   # (prompt tokens, max_tokens, tokens generated)
+    ratios = {}
+    for pilot in (0, 4):
+        rows = [SimpleNamespace(index=i, error=None, token_ids=[0] * p) for i, (p, _, _) in enumerate(long + short)]
+        feed = RowFeed([rows], lambda batch: None, window=8192, bucketing=True, skip=set(), longest_first=True,
+                       pilot=pilot)
+        order = [(long + short)[row.index] for _, row in iter(feed.next, None)]
+        job = SyntheticJob([o for *_, o in order], [p for p, *_ in order], max_tokens=[m for _, m, _ in order])
+        job.run_until(8)
+        ratios[pilot] = job.eta.estimate(job.scheduler, []).seconds_left / job.time_to_finish()
+    assert ratios[0] > 2 and abs(ratios[4] - 1) < 0.15, ratios
+
+
+def test_the_pilot_heads_the_first_window_only():
+    lengths = [3, 40, 5, 300, 41, 6, 7, 42, 301, 43, 4, 302]   # classes 2-3, 6, 9
+    rows = [SimpleNamespace(index=i, error=None, token_ids=[0] * n) for i, n in enumerate(lengths)]
+    feed = RowFeed([rows[:6], rows[6:]], lambda batch: None, window=6, bucketing=True, skip=set(), pilot=1)
+    order = [len(row.token_ids) for _, row in iter(feed.next, None)]
+    # first window 3 40 5 300 41 6: one row of each class (3, 5-6, 40-41, 300) ahead, the rest in length order
+    assert order == [3, 5, 40, 300, 6, 41] + [4, 7, 42, 43, 301, 302]
+    strict = RowFeed([rows[:6], rows[6:]], lambda batch: None, window=6, bucketing=True, skip=set(), pilot=0)
+    assert [len(row.token_ids) for _, row in iter(strict.next, None)] == [3, 5, 6, 40, 41, 300, 4, 7, 42, 43, 301, 302]
 
 
 def test_a_full_kv_pool_does_not_fool_the_estimate():

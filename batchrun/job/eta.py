@@ -22,6 +22,7 @@ from datetime import datetime, timedelta
 
 import numpy as np
 
+from batchrun.job.bucketing import length_class
 from batchrun.planner.costmodel import ContextPrior, LinearModel, ModelSpec, StepShape, fit_linear
 from batchrun.planner.simulate import WorkItem, simulate, timeline
 
@@ -64,29 +65,25 @@ class OutputLengths:
     different points, and bucketing runs them at different times): finished rows are observations, running rows
     censored ones (their length exceeds what they have generated)."""
 
-    MIN_EVENTS = 30   # finished rows a prompt-length class needs to get its own distribution
+    MIN_EVENTS = 4    # finished rows near a prompt-length class (the feed's pilot gives each class a few early)
 
     def __init__(self, finished: list[tuple[int, float]] = ()):
         self.finished: deque[tuple[int, float]] = deque(map(tuple, finished), maxlen=KEEP)
         self._all = KaplanMeier([], [])               # nothing observed yet: every row runs to max_tokens
         self._by_class: dict[int, KaplanMeier] = {}
 
-    @staticmethod
-    def _class(prompt_tokens: int) -> int:
-        return max(prompt_tokens, 1).bit_length()    # powers of two
-
     def fit(self, running: list[tuple[int, float]]) -> None:
         """running: (prompt tokens, fraction of max_tokens generated so far) of the rows in the engine."""
         self._all = KaplanMeier([f for _, f in self.finished], [f for _, f in running])
         self._by_class = {}
-        for c in {self._class(p) for p, _ in self.finished}:
-            near = [f for p, f in self.finished if abs(self._class(p) - c) <= 1]
+        for c in {length_class(p) for p, _ in self.finished}:
+            near = [f for p, f in self.finished if abs(length_class(p) - c) <= 1]
             if len(near) >= self.MIN_EVENTS:
-                self._by_class[c] = KaplanMeier(near, [f for p, f in running if abs(self._class(p) - c) <= 1])
+                self._by_class[c] = KaplanMeier(near, [f for p, f in running if abs(length_class(p) - c) <= 1])
 
     def expected(self, generated: int, max_tokens: int, prompt_tokens: int) -> int:
         """Expected total output tokens of a row that has generated `generated` without stopping."""
-        km = self._by_class.get(self._class(prompt_tokens), self._all)
+        km = self._by_class.get(length_class(prompt_tokens), self._all)
         ratio = km.mean_above(generated / max(max_tokens, 1))
         return min(max_tokens, max(generated + 1, round(ratio * max_tokens)))
 

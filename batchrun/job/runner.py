@@ -94,7 +94,8 @@ class JobRunner:
                            longest_first=batching.longest_first, prior=context_prior(engine),
                            saved=report.read_json(out_dir, report.ETA_STATE))
         feed = RowFeed(source.batches(min(1024, batching.window)), encoder.prepare, batching.window,
-                       batching.bucketing, done, batching.longest_first, observe=eta.observe_rows)
+                       batching.bucketing, done, batching.longest_first, observe=eta.observe_rows,
+                       pilot=batching.pilot)
         in_flight_cap = config.max_num_seqs + (batching.max_waiting or 4 * config.max_num_seqs)
         inflight: dict[str, Row] = {}
         finished: dict[str, list] = {}   # a row's finished samples, until it has all (n > 1)
