@@ -155,17 +155,25 @@ def test_a_resumed_estimator_starts_from_the_saved_steps():
 def test_output_lengths_count_running_rows_as_lower_bounds():
     lengths = OutputLengths()
     assert lengths.expected(0, 100, 10) == 100                  # nothing observed yet: max_tokens
-    lengths = OutputLengths([(10, 0.1)] * 9)
-    lengths.fit(running=[(10, 0.5)])                            # one row still running past half its max_tokens
+    lengths = OutputLengths([(10, 10, False)] * 9)              # (prompt tokens, generated, cut by max_tokens)
+    lengths.fit(running=[(10, 50)])                             # one row still running after 50 tokens
     assert lengths.expected(0, 100, 10) == 19                   # 0.9 x 10 + 0.1 x 100 (the unseen tail at max)
     assert lengths.expected(60, 100, 10) == 100
     lengths.fit(running=[])
     assert lengths.expected(0, 100, 10) == 10 and lengths.expected(10, 100, 10) == 100
 
 
+def test_rows_cut_by_max_tokens_are_lower_bounds_not_lengths():
+    # answers of 30 tokens: ten rows with max_tokens 20 are cut at 20, ten with 200 stop at 30. A new row with
+    # max_tokens 200 stops at 30 (a share of max_tokens would say (1 + 0.15) / 2 x 200 = 115)
+    lengths = OutputLengths([(10, 20, True)] * 10 + [(10, 30, False)] * 10)
+    lengths.fit(running=[])
+    assert lengths.expected(0, 200, 10) == 30 and lengths.expected(0, 10, 10) == 10
+
+
 def test_output_lengths_are_read_by_prompt_length_where_enough_rows_finished():
-    # questions (short prompts) stop at a tenth of max_tokens, articles (long prompts) run to it
-    lengths = OutputLengths([(8, 0.1)] * 40 + [(900, 1.0)] * 40)
+    # questions (short prompts) stop after 10 tokens, articles (long prompts) run to their max_tokens
+    lengths = OutputLengths([(8, 10, False)] * 40 + [(900, 100, True)] * 40)
     lengths.fit(running=[])
     assert lengths.expected(0, 100, 9) == 10 and lengths.expected(0, 100, 1000) == 100
     assert lengths.expected(0, 100, 60) == 55                   # a class with too few rows: all rows together
@@ -225,7 +233,7 @@ def test_a_running_job_reports_its_estimate(tmp_path, tiny_model, monkeypatch):
     assert 'batchrun_job_eta_seconds{job="job"} 0.0' in metrics and "batchrun_job_predicted_finish_timestamp" in metrics
     assert 'batchrun_job_on_track{job="job"} 1.0' in metrics
     saved = (out / "eta_state.json").read_text()
-    assert '"steps"' in saved and '"output_fractions"' in saved
+    assert '"steps"' in saved and '"output_lengths"' in saved
 
 
 def test_a_failing_simulation_never_stops_the_job(monkeypatch):

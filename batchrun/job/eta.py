@@ -4,10 +4,10 @@ Each engine step the runner records the step's shape and time. Every so often th
 t = a + b x tokens + c x context (the fit `batchrun plan --calibrate` uses) is refitted on the recent steps and
 the work left is simulated over the real scheduler: the engine's running requests as they stand (their KV in the
 cache), its waiting ones, the rows read but not admitted, and the rows not read yet (prompt lengths drawn from
-the rows read so far, bucketed as the feed will). Output lengths come from the rows finished so far with the
-running ones as lower bounds (Kaplan-Meier), since outputs stop early and short ones finish first. While long prompts
-keep the KV pool full, the steps cannot tell a context token's cost from the step's own; the fit then leans on a
-prior from the bytes each reads (costmodel.ContextPrior).
+the rows read so far, bucketed as the feed will). Output lengths come from the rows finished so far, with the
+running ones and those cut by max_tokens as lower bounds (Kaplan-Meier), since outputs stop early and short ones
+finish first. While long prompts keep the KV pool full, the steps cannot tell a context token's cost from the
+step's own; the fit then leans on a prior from the bytes each reads (costmodel.ContextPrior).
 """
 from __future__ import annotations
 
@@ -42,50 +42,62 @@ class Eta:
 
 
 class KaplanMeier:
-    """The distribution of a fraction in (0, 1] from observed values and censored ones (known only to exceed their
-    value), with the mass no observation has reached put at 1."""
+    """The distribution of a row's natural output length (in tokens: where it would stop with no max_tokens) from
+    rows that stopped (events) and rows known only to run at least so far (censored: those cut by their
+    max_tokens, and those still running). The mass beyond every observation is unbounded: any max_tokens cuts it."""
 
-    def __init__(self, events: list[float], censored: list[float]):
+    def __init__(self, events: list[int], censored: list[int]):
         events, censored = np.sort(np.array(events, dtype=float)), np.sort(np.array(censored, dtype=float))
         values, deaths = np.unique(events, return_counts=True)
+        # a row censored at n ran at least n tokens: it is at risk at every length up to n
         at_risk = (len(events) - np.searchsorted(events, values, side="left")
                    + len(censored) - np.searchsorted(censored, values, side="left"))
         survival = np.cumprod(1 - deaths / at_risk)
-        self.values = np.append(values, 1.0)
-        self.mass = np.append(-np.diff(np.concatenate([[1.0], survival])), survival[-1] if len(survival) else 1.0)
+        self.values = values
+        self.mass = -np.diff(np.concatenate([[1.0], survival]))
+        self.tail = survival[-1] if len(survival) else 1.0
 
-    def mean_above(self, x: float) -> float:
-        above = self.values > x
-        mass = self.mass[above].sum()
-        return (self.values[above] * self.mass[above]).sum() / mass if mass > 1e-12 else 1.0
+    def expected(self, generated: int, max_tokens: int) -> float:
+        """E[min(length, max_tokens) | length > generated]."""
+        above = self.values > generated
+        values, mass = self.values[above], self.mass[above]
+        total = mass.sum() + self.tail
+        if total <= 1e-12:
+            return float(max_tokens)
+        return float((np.minimum(values, max_tokens) * mass).sum() + max_tokens * self.tail) / total
 
 
 class OutputLengths:
-    """Output length as a fraction of max_tokens, by prompt length (a question and an article to summarise stop at
-    different points, and bucketing runs them at different times): finished rows are observations, running rows
-    censored ones (their length exceeds what they have generated)."""
+    """Output lengths by prompt length (a question and an article to summarise stop at different points, and
+    bucketing runs them at different times). Lengths in tokens, not as a share of max_tokens: a row with a large
+    max_tokens is most often one that stops early, so a share would price it at what rows cut by a small max_tokens
+    did. Finished rows that stopped are observations; rows cut by max_tokens and running rows are censored ones."""
 
     MIN_EVENTS = 4    # finished rows near a prompt-length class (the feed's pilot gives each class a few early)
 
-    def __init__(self, finished: list[tuple[int, float]] = ()):
-        self.finished: deque[tuple[int, float]] = deque(map(tuple, finished), maxlen=KEEP)
+    def __init__(self, finished: list[tuple[int, int, bool]] = ()):
+        # (prompt tokens, tokens generated, cut by max_tokens)
+        self.finished: deque[tuple[int, int, bool]] = deque(map(tuple, finished), maxlen=KEEP)
         self._all = KaplanMeier([], [])               # nothing observed yet: every row runs to max_tokens
         self._by_class: dict[int, KaplanMeier] = {}
 
-    def fit(self, running: list[tuple[int, float]]) -> None:
-        """running: (prompt tokens, fraction of max_tokens generated so far) of the rows in the engine."""
-        self._all = KaplanMeier([f for _, f in self.finished], [f for _, f in running])
+    def fit(self, running: list[tuple[int, int]]) -> None:
+        """running: (prompt tokens, tokens generated so far) of the rows in the engine."""
+        def km(keep) -> KaplanMeier:
+            rows = [(n, cut) for p, n, cut in self.finished if keep(p)] + [(n, True) for p, n in running if keep(p)]
+            return KaplanMeier([n for n, cut in rows if not cut], [n for n, cut in rows if cut])
+
+        self._all = km(lambda p: True)
         self._by_class = {}
-        for c in {length_class(p) for p, _ in self.finished}:
-            near = [f for p, f in self.finished if abs(length_class(p) - c) <= 1]
-            if len(near) >= self.MIN_EVENTS:
-                self._by_class[c] = KaplanMeier(near, [f for p, f in running if abs(length_class(p) - c) <= 1])
+        for c in {length_class(p) for p, _, _ in self.finished}:
+            near = lambda p, c=c: abs(length_class(p) - c) <= 1   # noqa: E731
+            if sum(near(p) for p, _, _ in self.finished) >= self.MIN_EVENTS:
+                self._by_class[c] = km(near)
 
     def expected(self, generated: int, max_tokens: int, prompt_tokens: int) -> int:
         """Expected total output tokens of a row that has generated `generated` without stopping."""
         km = self._by_class.get(length_class(prompt_tokens), self._all)
-        ratio = km.mean_above(generated / max(max_tokens, 1))
-        return min(max_tokens, max(generated + 1, round(ratio * max_tokens)))
+        return min(max_tokens, max(generated + 1, round(km.expected(generated, max_tokens))))
 
 
 class EtaEstimator:
@@ -100,7 +112,7 @@ class EtaEstimator:
         self.clock, self.wall_clock, self.min_interval_s = clock, wall_clock, min_interval_s
         saved = saved or {}
         self.steps: deque[tuple[int, int, int, float]] = deque(map(tuple, saved.get("steps", [])), maxlen=KEEP)
-        self.lengths = OutputLengths(saved.get("output_fractions", []))
+        self.lengths = OutputLengths(saved.get("output_lengths", []))
         self.overhead = float(saved.get("overhead", 1.0))   # wall time / time inside steps (the runner's own work)
         self.prompt_sample: list[tuple[int, int]] = []       # (prompt tokens, max_tokens) of rows read, a reservoir
         self.rows_read = 0
@@ -134,11 +146,11 @@ class EtaEstimator:
             self.steps.append((tokens, seqs, context_tokens, seconds))
 
     def observe_finished(self, generated: int, max_tokens: int, prompt_tokens: int) -> None:
-        self.lengths.finished.append((prompt_tokens, min(1.0, generated / max(max_tokens, 1))))
+        self.lengths.finished.append((prompt_tokens, generated, generated >= max_tokens))
 
     def state(self) -> dict:
         """What a resumed run starts from."""
-        return {"steps": list(self.steps), "output_fractions": list(self.lengths.finished),
+        return {"steps": list(self.steps), "output_lengths": list(self.lengths.finished),
                 "overhead": round(self.overhead, 4)}
 
     # -- the estimate ------------------------------------------------------------------------------------------
@@ -192,8 +204,7 @@ class EtaEstimator:
         return model
 
     def _simulate(self, model: LinearModel, running, waiting, queued) -> Eta:
-        self.lengths.fit([(r.num_prompt_tokens, len(r.output_token_ids) / max(r.params.max_tokens, 1))
-                          for r in running])
+        self.lengths.fit([(r.num_prompt_tokens, len(r.output_token_ids)) for r in running])
         fresh = functools.lru_cache(maxsize=None)(functools.partial(self.lengths.expected, 0))   # (max_tokens, prompt)
         started = [WorkItem(r.num_tokens, self._left(r), r.num_computed_tokens) for r in running]
         started += [WorkItem(r.num_tokens, self._left(r)) for r in waiting]
