@@ -83,16 +83,18 @@ class OutputLengths:
 
     def fit(self, running: list[tuple[int, int]]) -> None:
         """running: (prompt tokens, tokens generated so far) of the rows in the engine."""
-        def km(keep) -> KaplanMeier:
-            rows = [(n, cut) for p, n, cut in self.finished if keep(p)] + [(n, True) for p, n in running if keep(p)]
-            return KaplanMeier([n for n, cut in rows if not cut], [n for n, cut in rows if cut])
+        finished = [(length_class(p), n, cut) for p, n, cut in self.finished]
+        censored = [(length_class(p), n, True) for p, n in running]
 
-        self._all = km(lambda p: True)
+        def km(rows) -> KaplanMeier:
+            return KaplanMeier([n for _, n, cut in rows if not cut], [n for _, n, cut in rows if cut])
+
+        self._all = km(finished + censored)
         self._by_class = {}
-        for c in {length_class(p) for p, _, _ in self.finished}:
-            near = lambda p, c=c: abs(length_class(p) - c) <= 1   # noqa: E731
-            if sum(near(p) for p, _, _ in self.finished) >= self.MIN_EVENTS:
-                self._by_class[c] = km(near)
+        for c in {k for k, _, _ in finished}:
+            near = [row for row in finished if abs(row[0] - c) <= 1]
+            if len(near) >= self.MIN_EVENTS:
+                self._by_class[c] = km(near + [row for row in censored if abs(row[0] - c) <= 1])
 
     def expected(self, generated: int, max_tokens: int, prompt_tokens: int) -> int:
         """Expected total output tokens of a row that has generated `generated` without stopping."""
