@@ -2,8 +2,8 @@
 the job's own steps), not from the rows left; deadline verdicts; the figures in summary.json, metrics.prom and
 status while running; a resumed run's estimate starts from the saved steps."""
 import random
-from types import SimpleNamespace
 from datetime import datetime, timedelta
+from types import SimpleNamespace
 
 import pytest
 import yaml

@@ -112,7 +112,6 @@ def test_changed_spec_refused_unless_restart_and_status(tmp_path, tiny_model):
     assert status["state"] == "done" and status["rows_done"] == 10 and status["rows_remaining"] == 0 and status["rows_failed"] == 0
 
 
-
 def test_status_does_not_import_torch(tmp_path, tiny_model):
     """`batchrun status` is what a cron checks every few minutes: importing torch would cost it 2-3 s."""
     write_prompts(tmp_path / "in.parquet", 4)
@@ -122,6 +121,7 @@ def test_status_does_not_import_torch(tmp_path, tiny_model):
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == ["not started", False]
+
 
 def test_generate_is_a_job_made_from_flags(tmp_path, tiny_model):
     """`batchrun generate` writes the job's output (columns, summary), resumes, and names the flag of a bad value."""

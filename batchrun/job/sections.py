@@ -110,8 +110,9 @@ class BatchingSection(Section):
     longest_first: bool = False
     window: PositiveInt = 8192
     max_waiting: Optional[PositiveInt] = None
-    pilot: int = Field(4, ge=0, description="rows of each prompt-length class (powers of two) admitted first, so "
-                                            "the time left learns early how far each class's outputs run")
+    pilot: int = Field(4, ge=0, description="with bucketing: rows of each prompt-length class (powers of two) "
+                                            "admitted first, so the time left learns early how far each class's "
+                                            "outputs run")
 
 
 class ExecutorSection(Section):
