@@ -1,6 +1,6 @@
 """How good is a running job's time left? The sample job run whole, its ETA recorded every --every seconds.
 
-    python bench/eta_accuracy.py [--job jobs/demo.yaml] [--every 10] [--json out.json]
+    python bench/eta_accuracy.py [--job jobs/demo.yaml] [--every 10] [--json out.json] [--set batching.pilot=0.2]
 
 Runs the job twice into fresh temporary output directories: bucketing with shortest prompts first (the default),
 then longest first. Beside the job's own estimate (job/eta.py: the work left simulated with the step-time model
@@ -24,7 +24,7 @@ from batchrun.job import Job
 POINTS = (0.10, 0.25, 0.50, 0.75)
 
 
-def run_recorded(job: str, order: dict, every: float) -> dict:
+def run_recorded(job: str, order: dict, every: float, overrides: list[str]) -> dict:
     """Run the job, recording (seconds since its first step, job ETA, row-count ETA, rows done) every `every`
     seconds. Model load and compilation come before the first step and are not counted."""
     records, real_tick = [], progress_module.Progress.tick
@@ -47,7 +47,8 @@ def run_recorded(job: str, order: dict, every: float) -> dict:
     try:
         with tempfile.TemporaryDirectory() as out:
             result = Job.from_yaml(job, [f"output.path={out}/run", "output.log_every_s=60",
-                                         *(f"batching.{k}={str(v).lower()}" for k, v in order.items())]).run(
+                                         *(f"batching.{k}={str(v).lower()}" for k, v in order.items()),
+                                         *overrides]).run(
                 progress="log")
     finally:
         progress_module.Progress.tick = real_tick
@@ -80,11 +81,13 @@ def main() -> None:
     parser.add_argument("--job", default="jobs/demo.yaml")
     parser.add_argument("--every", type=float, default=10.0)
     parser.add_argument("--json")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a job-file override for both runs, as `batchrun submit --set` takes")
     args = parser.parse_args()
-    result = {"cpu": cpu_model() or platform.processor(), "job": args.job, "runs": {}}
+    result = {"cpu": cpu_model() or platform.processor(), "job": args.job, "overrides": args.set, "runs": {}}
     for name, order in (("shortest_first", {"bucketing": True, "longest_first": False}),
                         ("longest_first", {"bucketing": True, "longest_first": True})):
-        run = run_recorded(args.job, order, args.every)
+        run = run_recorded(args.job, order, args.every, args.set)
         result["runs"][name] = run
         print(f"{name}: {run['rows']} rows in {run['wall_s']} s ({result['cpu']})")
         print(f"  {'point':>5} {'at s':>7} {'rows':>5} {'left s':>7} {'job ETA':>8} {'error':>7} {'row ETA':>8} "

@@ -14,7 +14,7 @@ from batchrun.job import Job, JobError, JobSpec
 from batchrun.job.bucketing import RowFeed
 from batchrun.job.eta import EtaEstimator, OutputLengths, deadline_verdict, parse_deadline
 from batchrun.planner.costmodel import ContextPrior
-from batchrun.planner.simulate import make_scheduler
+from batchrun.planner.simulate import WorkItem, admission_keys, make_scheduler
 from batchrun.sampling_params import SamplingParams
 from jobkit import write_job, write_prompts
 
@@ -96,7 +96,7 @@ def test_the_pilot_prices_short_rows_left_for_the_tail():
     # 200. Without the feed's pilot, nothing tells how early the questions stop until the first one does.
     long, short = [(120, 40, 40)] * 12, [(8, 200, 4)] * 40   # (prompt tokens, max_tokens, tokens generated)
     ratios = {}
-    for pilot in (0, 4):
+    for pilot in (0, 0.1):
         rows = [SimpleNamespace(index=i, error=None, token_ids=[0] * p) for i, (p, _, _) in enumerate(long + short)]
         feed = RowFeed([rows], lambda batch: None, window=8192, bucketing=True, skip=set(), longest_first=True,
                        pilot=pilot)
@@ -104,18 +104,36 @@ def test_the_pilot_prices_short_rows_left_for_the_tail():
         job = SyntheticJob([o for *_, o in order], [p for p, *_ in order], max_tokens=[m for _, m, _ in order])
         job.run_until(8)
         ratios[pilot] = job.eta.estimate(job.scheduler, []).seconds_left / job.time_to_finish()
-    assert ratios[0] > 2 and abs(ratios[4] - 1) < 0.15, ratios
+    assert ratios[0] > 2 and abs(ratios[0.1] - 1) < 0.15, ratios
 
 
 def test_the_pilot_heads_the_first_window_only():
-    lengths = [3, 40, 5, 300, 41, 6, 7, 42, 301, 43, 4, 302]   # classes 2-3, 6, 9
+    # first window: 32 rows of class 6 (32-63 tokens), 18 of class 7 (64-81) and 2 of class 3, shuffled; then 6 more
+    first = [47, 5, 64 + 17, 6] + [n for n in range(32, 81) if n != 47]
+    second = [90, 33, 70, 34, 91, 35]
+    rows = [SimpleNamespace(index=i, error=None, token_ids=[0] * n) for i, n in enumerate(first + second)]
+
+    def order(pilot):
+        feed = RowFeed([rows[:len(first)], rows[len(first):]], lambda batch: None, window=len(first),
+                       bucketing=True, skip=set(), pilot=pilot)
+        return [len(row.token_ids) for _, row in iter(feed.next, None)]
+
+    # a quarter of each class, spread over it: 8 of class 6 (every 4th), 5 of class 7 (every 3.6th); class 3 has
+    # fewer rows than the least a class puts in (4), so both come; then the length order, and the second window
+    pilot = [5, 6] + list(range(32, 64, 4)) + [64, 67, 71, 74, 78]
+    rest = sorted(n for n in first if n not in pilot)
+    assert order(0.25) == pilot + rest + sorted(second)
+    assert order(0) == sorted(first) + sorted(second)
+
+
+def test_the_planner_simulates_the_feeds_order():
+    lengths = [(i * 37) % 300 + 1 for i in range(50)]
     rows = [SimpleNamespace(index=i, error=None, token_ids=[0] * n) for i, n in enumerate(lengths)]
-    feed = RowFeed([rows[:6], rows[6:]], lambda batch: None, window=6, bucketing=True, skip=set(), pilot=1)
-    order = [len(row.token_ids) for _, row in iter(feed.next, None)]
-    # first window 3 40 5 300 41 6: one row of each class (3, 5-6, 40-41, 300) ahead, the rest in length order
-    assert order == [3, 5, 40, 300, 6, 41] + [4, 7, 42, 43, 301, 302]
-    strict = RowFeed([rows[:6], rows[6:]], lambda batch: None, window=6, bucketing=True, skip=set(), pilot=0)
-    assert [len(row.token_ids) for _, row in iter(strict.next, None)] == [3, 5, 6, 40, 41, 300, 4, 7, 42, 43, 301, 302]
+    for longest_first in (False, True):
+        feed = RowFeed([rows[:20], rows[20:40], rows[40:]], lambda batch: None, window=20, bucketing=True, skip=set(),
+                       longest_first=longest_first, pilot=0.1)
+        keys = admission_keys([WorkItem(n, 1) for n in lengths], True, 20, longest_first, pilot=0.1)
+        assert [row.index for _, row in iter(feed.next, None)] == sorted(range(50), key=keys.__getitem__)
 
 
 def test_a_full_kv_pool_does_not_fool_the_estimate():
@@ -177,6 +195,18 @@ def test_output_lengths_are_read_by_prompt_length_where_enough_rows_finished():
     lengths.fit(running=[])
     assert lengths.expected(0, 100, 9) == 10 and lengths.expected(0, 100, 1000) == 100
     assert lengths.expected(0, 100, 60) == 55                   # a class with too few rows: all rows together
+
+
+def test_a_class_with_rows_of_its_own_is_not_read_through_its_neighbours():
+    # questions of 40-63 prompt tokens stop at 10; the next class (64-127) holds instructions cut at their 30
+    # max_tokens. Pooled, those 20 cut rows would count as still running at 10 and price a question at 168 of 200.
+    lengths = OutputLengths([(40, 10, False)] * 4 + [(100, 30, True)] * 20)
+    lengths.fit(running=[])
+    assert lengths.expected(0, 200, 50) == 10
+    # a class with fewer rows than MIN_EVENTS of its own is still read with its neighbours'
+    lengths = OutputLengths([(40, 10, False)] * 3 + [(100, 30, True)] * 20)
+    lengths.fit(running=[])
+    assert lengths.expected(0, 200, 50) > 100
 
 
 def test_deadline_verdict_flips_when_the_predicted_finish_passes_it():

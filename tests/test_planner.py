@@ -205,17 +205,22 @@ def test_calibration_predicts_the_job_on_a_synthetic_clock(tmp_path, tiny_model)
     spec = JobSpec.from_yaml(write_job(tmp_path, tiny_model[0], sampling={"max_tokens": 12, "ignore_eos": True},
                                        engine={"max_num_seqs": 8}))
     work = load_workload(spec, read_model_config(spec.model))
-    engine = LLM(model=spec.model, **spec.engine_options).engine
-    real_step = engine.step
 
-    def clocked_step():
-        outputs = real_step()
-        engine.stats.step_time = 0.002 + 1e-5 * engine.stats.scheduled_tokens
-        return outputs
+    def clocked_engine():
+        engine = LLM(model=spec.model, **spec.engine_options).engine
+        real_step = engine.step
 
-    engine.step = clocked_step
-    cal = run_calibration(spec, work, 0.2, SimpleNamespace(engine=engine))
+        def clocked_step():
+            outputs = real_step()
+            engine.stats.step_time = 0.002 + 1e-5 * engine.stats.scheduled_tokens
+            return outputs
+
+        engine.step = clocked_step
+        return engine
+
+    cal = run_calibration(spec, work, 0.2, SimpleNamespace(engine=clocked_engine()))
     assert (cal.model.a, cal.model.b, cal.model.c, cal.model.scale) == pytest.approx((0.002, 1e-5, 0, 1), abs=1e-9)
+    engine = clocked_engine()   # as a submit starts: nothing of the pilot's prompts in its prefix cache
     for item, key in zip(work.items, work.keys):
         engine.add_request(list(item.prompt), spec.sampling_params(max_tokens=item.output_tokens), order_key=key)
     spent = 0.0

@@ -4,33 +4,32 @@ Requests admitted together then have similar lengths, so prefill chunks and deco
 even. Shortest first by default; longest_first leaves the short requests for the tail. Only a window's
 token ids are in memory; a window as large as the input sorts the whole input.
 
-The first window starts with a pilot: a few rows of each prompt-length class, so that the time left (eta.py) sees
-early how far each class's outputs run. Without it, a short question that stops after 10 of its 200 max_tokens
-is priced, until the sorted order reaches the questions, as the long rows that ran before it.
+The first window starts with a pilot: a share of each prompt-length class's rows (at least 4), so
+that the time left (eta.py) sees early how far each class's outputs run. Without it, a short question that stops
+after 10 of its 200 max_tokens is priced, until the sorted order reaches the questions, as the long rows that ran
+before it; with too few, a class that mixes such questions with rows cut by a small max_tokens is priced from a
+handful of draws of that mix.
 """
 from __future__ import annotations
 
 from collections import deque
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
+from batchrun.admission_order import window_order
+
 if TYPE_CHECKING:
     from batchrun.job.source import Row
-
-
-def length_class(prompt_tokens: int) -> int:
-    """The prompt-length class of a row: powers of two."""
-    return max(prompt_tokens, 1).bit_length()
 
 
 class RowFeed:
     def __init__(self, batches: Iterable[list[Row]], prepare: Callable[[list[Row]], None], window: int,
                  bucketing: bool, skip: set[int], longest_first: bool = False,
-                 observe: Callable[[list[Row]], None] = lambda rows: None, pilot: int = 0):
+                 observe: Callable[[list[Row]], None] = lambda rows: None, pilot: float = 0.0):
         self._batches: Iterator[list[Row]] = iter(batches)
         self.prepare, self.window, self.bucketing, self.skip = prepare, window, bucketing, skip
         self.observe = observe   # sees every batch of rows read, once prepared (the ETA's prompt lengths)
         self.longest_first = longest_first
-        self.pilot = pilot   # rows per prompt-length class at the head of the first window (bucketing only)
+        self.pilot = pilot   # share of each prompt-length class at the head of the first window (bucketing only)
         self.queue: deque[tuple[tuple, Row]] = deque()   # (order_key, row), in admission order
         self.failed: list[Row] = []                     # rows that failed before the engine: write them as they are
         self.window_index = 0
@@ -60,21 +59,9 @@ class RowFeed:
             for row in batch:
                 (self.failed if row.error else rows).append(row)
         if self.bucketing:
-            rows.sort(key=lambda r: len(r.token_ids), reverse=self.longest_first)
-            if self.window_index == 0 and self.pilot:
-                rows = self._pilot_first(rows)
-            self.queue.extend(((self.window_index, rank), row) for rank, row in enumerate(rows))
+            order = window_order([len(row.token_ids) for row in rows], self.longest_first,
+                                 self.pilot if self.window_index == 0 else 0.0)
+            self.queue.extend(((self.window_index, rank), rows[i]) for rank, i in enumerate(order))
         else:
             self.queue.extend(((), row) for row in rows)
         self.window_index += 1
-
-    def _pilot_first(self, rows: list[Row]) -> list[Row]:
-        """rows (sorted) with up to `pilot` rows of each length class, spread over the class, moved to the head."""
-        classes: dict[int, list[int]] = {}
-        for position, row in enumerate(rows):
-            classes.setdefault(length_class(len(row.token_ids)), []).append(position)
-        head = set()
-        for positions in classes.values():
-            step = len(positions) / min(self.pilot, len(positions))
-            head.update(positions[int(k * step)] for k in range(min(self.pilot, len(positions))))
-        return [rows[i] for i in sorted(head)] + [row for i, row in enumerate(rows) if i not in head]

@@ -22,7 +22,7 @@ from datetime import datetime, timedelta
 
 import numpy as np
 
-from batchrun.job.bucketing import length_class
+from batchrun.admission_order import length_class
 from batchrun.planner.costmodel import ContextPrior, LinearModel, ModelSpec, StepShape, fit_linear
 from batchrun.planner.simulate import WorkItem, simulate, timeline
 
@@ -73,7 +73,7 @@ class OutputLengths:
     max_tokens is most often one that stops early, so a share would price it at what rows cut by a small max_tokens
     did. Finished rows that stopped are observations; rows cut by max_tokens and running rows are censored ones."""
 
-    MIN_EVENTS = 4    # finished rows near a prompt-length class (the feed's pilot gives each class a few early)
+    MIN_EVENTS = 4    # finished rows of a prompt-length class (or it and its neighbours) for its own distribution
 
     def __init__(self, finished: list[tuple[int, int, bool]] = ()):
         # (prompt tokens, tokens generated, cut by max_tokens)
@@ -92,9 +92,13 @@ class OutputLengths:
         self._all = km(finished + censored)
         self._by_class = {}
         for c in {k for k, _, _ in finished}:
-            near = [row for row in finished if abs(row[0] - c) <= 1]
-            if len(near) >= self.MIN_EVENTS:
-                self._by_class[c] = km(near + [row for row in censored if abs(row[0] - c) <= 1])
+            # the class's own rows once there are enough: a neighbour's rows, often all cut by their max_tokens,
+            # would count as rows still running at every length below their cut and push the class's lengths up
+            for reach in (0, 1):
+                near = [row for row in finished if abs(row[0] - c) <= reach]
+                if len(near) >= self.MIN_EVENTS:
+                    self._by_class[c] = km(near + [row for row in censored if abs(row[0] - c) <= reach])
+                    break
 
     def expected(self, generated: int, max_tokens: int, prompt_tokens: int) -> int:
         """Expected total output tokens of a row that has generated `generated` without stopping."""

@@ -110,9 +110,10 @@ class BatchingSection(Section):
     longest_first: bool = False
     window: PositiveInt = 8192
     max_waiting: Optional[PositiveInt] = None
-    pilot: int = Field(4, ge=0, description="with bucketing: rows of each prompt-length class (powers of two) "
-                                            "admitted first, so the time left learns early how far each class's "
-                                            "outputs run")
+    pilot: float = Field(0.1, ge=0, le=1, description="with bucketing: the share of each prompt-length class "
+                                                     "(powers of two; at least 4 rows) in the first window admitted "
+                                                     "first, so the time left learns early how far each class's "
+                                                     "outputs run (0: none)")
 
 
 class ExecutorSection(Section):

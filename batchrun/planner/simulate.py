@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from batchrun.admission_order import window_order
 from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.request import Request, RequestStatus
 from batchrun.engine.scheduler import Scheduler, StepPlan
@@ -68,16 +69,16 @@ def make_scheduler(num_blocks: int, block_size: int, max_num_seqs: int, max_num_
                                  max_num_batched_tokens)
 
 
-def admission_keys(items: list[WorkItem], bucketing: bool, window: int, longest_first: bool) -> list[tuple]:
-    """The job runner's order keys: (window index, rank by prompt length) with bucketing, else arrival order."""
+def admission_keys(items: list[WorkItem], bucketing: bool, window: int, longest_first: bool,
+                   pilot: float = 0.0) -> list[tuple]:
+    """The job runner's order keys: (window index, rank in the window's order) with bucketing, else arrival order."""
     if not bucketing:
         return [() for _ in items]
     keys: list[tuple] = [()] * len(items)
     for w, start in enumerate(range(0, len(items), window)):
-        idx = sorted(range(start, min(start + window, len(items))), key=lambda i: items[i].prompt_len,
-                     reverse=longest_first)
-        for rank, i in enumerate(idx):
-            keys[i] = (w, rank)
+        lengths = [item.prompt_len for item in items[start:start + window]]
+        for rank, position in enumerate(window_order(lengths, longest_first, pilot if w == 0 else 0.0)):
+            keys[start + position] = (w, rank)
     return keys
 
 

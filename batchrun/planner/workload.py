@@ -76,5 +76,5 @@ def load_workload(spec: JobSpec, model: ModelSpec, max_num_seqs: int | None = No
     if not items:
         raise JobError(f"{spec.path}: input: no row would run (rows failing before generation: {failing})")
     batching, settings = spec.batching, engine_settings(spec, max_num_seqs)
-    keys = admission_keys(items, batching.bucketing, batching.window, batching.longest_first)
+    keys = admission_keys(items, batching.bucketing, batching.window, batching.longest_first, batching.pilot)
     return Workload(items, keys, **settings, rows_failing=failing)
