@@ -28,13 +28,15 @@ def run_recorded(job: str, order: dict, every: float, overrides: list[str]) -> d
     """Run the job, recording (seconds since its first step, job ETA, row-count ETA, rows done) every `every`
     seconds. Model load and compilation come before the first step and are not counted."""
     records, real_tick = [], progress_module.Progress.tick
-    start, last = None, [-every]
+    start, first, last = None, None, [-every]
 
     def tick(self, engine, queued):
-        nonlocal start
+        nonlocal start, first
         due = real_tick(self, engine, queued)
         now = time.monotonic()
         start = start if start is not None else now
+        if first is None and self.eta is not None:
+            first = now - start
         if now - last[0] >= every:
             last[0] = now
             rows = self.done - self.done_at_start
@@ -54,7 +56,7 @@ def run_recorded(job: str, order: dict, every: float, overrides: list[str]) -> d
         progress_module.Progress.tick = real_tick
     wall = time.monotonic() - start
     return {"wall_s": round(wall, 1), "rows": result.summary["rows_this_run"], "records": records,
-            "errors": errors_at(records, wall)}
+            "first_estimate_s": None if first is None else round(first, 1), "errors": errors_at(records, wall)}
 
 
 def errors_at(records: list, wall: float) -> dict:
@@ -89,7 +91,8 @@ def main() -> None:
                         ("longest_first", {"bucketing": True, "longest_first": True})):
         run = run_recorded(args.job, order, args.every, args.set)
         result["runs"][name] = run
-        print(f"{name}: {run['rows']} rows in {run['wall_s']} s ({result['cpu']})")
+        print(f"{name}: {run['rows']} rows in {run['wall_s']} s ({result['cpu']}), first estimate at "
+              f"{run['first_estimate_s']} s")
         print(f"  {'point':>5} {'at s':>7} {'rows':>5} {'left s':>7} {'job ETA':>8} {'error':>7} {'row ETA':>8} "
               f"{'error':>7}")
         for point, e in run["errors"].items():

@@ -12,7 +12,8 @@ import batchrun.job.progress as progress_module
 from batchrun.engine.request import Request
 from batchrun.job import Job, JobError, JobSpec
 from batchrun.job.bucketing import RowFeed
-from batchrun.job.eta import EtaEstimator, OutputLengths, deadline_verdict, parse_deadline
+from batchrun.job.eta import (MIN_SMALL_STEPS, MIN_STEPS, EtaEstimator, OutputLengths, deadline_verdict,
+                              parse_deadline)
 from batchrun.planner.costmodel import ContextPrior
 from batchrun.planner.simulate import WorkItem, admission_keys, make_scheduler
 from batchrun.sampling_params import SamplingParams
@@ -151,6 +152,33 @@ def test_a_full_kv_pool_does_not_fool_the_estimate():
         estimates[name] = job.eta.estimate(job.scheduler, []).seconds_left / job.time_to_finish()
     assert abs(estimates["free"] - 1) > 0.15, estimates   # the steps alone get it wrong here
     assert abs(estimates["prior"] - 1) < 0.1, estimates
+
+
+def test_full_prefill_chunks_alone_do_not_price_the_decode_steps_to_come():
+    # 8 rows of 300 prompt tokens and 100 output tokens. As on the CPU, a prefill chunk's attention grows with its
+    # own context, which a decode step does not pay: fitted on the first steps (all full 64-token chunks), c takes
+    # that growth and prices the decode steps to come about twice too high. No estimate until smaller steps are
+    # recorded; the first one then is right.
+    def step_time(tokens: int, context: int) -> float:
+        return 0.01 + 0.001 * tokens + 2e-5 * context + (1e-6 * tokens * context if tokens > 8 else 0)
+
+    job = SyntheticJob([100] * 8, [300] * 8, step_time=step_time)
+    estimate = None
+    while estimate is None:
+        job.step()
+        estimate = job.eta.estimate(job.scheduler, [])
+    sizes = [tokens for tokens, *_ in job.eta.steps]
+    assert len(sizes) > MIN_STEPS and sum(n <= max(sizes) / 2 for n in sizes) >= MIN_SMALL_STEPS
+    assert abs(estimate.seconds_left / job.time_to_finish() - 1) < 0.15
+
+
+def test_a_job_of_full_prefill_chunks_alone_is_priced_from_them():
+    # one output token a row: every step is a full chunk, so those are the only steps to price
+    job = SyntheticJob([1] * 8, [600] * 8)
+    while len(job.eta.steps) < MIN_STEPS:
+        job.step()
+    estimate = job.eta.estimate(job.scheduler, [])
+    assert estimate is not None and abs(estimate.seconds_left / job.time_to_finish() - 1) < 0.05
 
 
 def test_the_estimate_falls_as_work_is_done():

@@ -29,6 +29,8 @@ from batchrun.planner.simulate import WorkItem, simulate, timeline
 log = logging.getLogger("batchrun.job")
 WARMUP_STEPS = 2          # a run's first steps pay one-off costs (allocation, compilation): not fitted
 MIN_STEPS = 8             # steps needed before the first fit (a young fit is damped by the median of three)
+MIN_SMALL_STEPS = 4       # steps of at most half the largest step's tokens before the fit prices such steps
+UNSEEN_SHARE = 0.25       # until then, the most of a simulation's steps that may be such steps
 KEEP = 4096               # recent steps and finished lengths kept (and saved for a resumed run)
 MAX_SIMULATED = 2000      # rows not started beyond this are simulated as an evenly spaced sample, scaled up
 SIM_COST_SHARE = 0.02     # re-simulate at most so often that simulating costs <= 2% of the job's time
@@ -173,29 +175,35 @@ class EtaEstimator:
         return Eta(left, eta.finish_at, eta.output_tokens_left)
 
     def _resimulate(self, now: float, scheduler, queued) -> None:
-        model = self._fit()
-        if model is None:
+        fitted = self._fit()
+        if fitted is None:
             return
         start = time.perf_counter()
         try:
-            eta = self._simulate(model, scheduler.running, scheduler.waiting, queued)
+            eta = self._simulate(*fitted, scheduler.running, scheduler.waiting, queued)
         except RuntimeError as exc:   # e.g. a simulated request the pool cannot hold: the estimate is advisory
             if not self._warned:
                 log.warning("time left: the simulation failed (%s); the estimate is not updated", exc)
                 self._warned = True
             self._next_simulation = now + self.min_interval_s
             return
+        # often while the fit is young (a quarter of the run so far), then every min_interval_s, and never so often
+        # that simulating costs more than SIM_COST_SHARE of the job
+        ran = now - self._run_start if self._run_start is not None else 0.0
         cost = time.perf_counter() - start
+        self._next_simulation = now + max(min(self.min_interval_s, 0.25 * ran), cost / SIM_COST_SHARE)
+        if eta is None:   # the work left runs steps of a size the record cannot price yet
+            return
         # one fit on a young or noisy record can be far off: report the median of the last three, each aged to now
         self._recent.append((now, eta.seconds_left))
         left = float(np.median([seconds - (now - at) for at, seconds in self._recent]))
         self._last = (now, Eta(left, self.wall_clock() + left, eta.output_tokens_left))
-        # often while the fit is young (a quarter of the run so far), then every min_interval_s, and never so often
-        # that simulating costs more than SIM_COST_SHARE of the job
-        ran = now - self._run_start if self._run_start is not None else 0.0
-        self._next_simulation = now + max(min(self.min_interval_s, 0.25 * ran), cost / SIM_COST_SHARE)
 
-    def _fit(self) -> LinearModel | None:
+    def _fit(self) -> tuple[LinearModel, float] | None:
+        """The step-time model from the recorded steps, and the step size (tokens) up to which it has not seen enough
+        steps to price one (0: none). A run's first steps are often all full prefill chunks: they tell the time
+        per token, not what a decode step costs (its own cost and its context's); a fit on them made the sample
+        job's first estimate 1.9-2.4x the time left, while the prefill steps that followed it were priced right."""
         if len(self.steps) < MIN_STEPS:
             return None
         shapes = [StepShape(t, s, c, 0) for t, s, c, _ in self.steps]
@@ -207,9 +215,11 @@ class EtaEstimator:
         model.scale = sum(times) / max(sum(model.step_time(s) for s in shapes), 1e-12)
         if self._run_steps >= MIN_STEPS and self._run_step_s > 0:
             self.overhead = max(1.0, (self.clock() - self._run_start) / self._run_step_s)
-        return model
+        half = max(shape.tokens for shape in shapes) / 2
+        return model, (half if sum(shape.tokens <= half for shape in shapes) < MIN_SMALL_STEPS else 0)
 
-    def _simulate(self, model: LinearModel, running, waiting, queued) -> Eta:
+    def _simulate(self, model: LinearModel, unseen_up_to: float, running, waiting, queued) -> Eta | None:
+        """None when more than UNSEEN_SHARE of the simulated steps are of a size the model has not seen enough of."""
         self.lengths.fit([(r.num_prompt_tokens, len(r.output_token_ids)) for r in running])
         fresh = functools.lru_cache(maxsize=None)(functools.partial(self.lengths.expected, 0))   # (max_tokens, prompt)
         started = [WorkItem(r.num_tokens, self._left(r), r.num_computed_tokens) for r in running]
@@ -222,7 +232,10 @@ class EtaEstimator:
         items = started + sample
         if not items:
             return Eta(0.0, self.wall_clock(), 0)
-        line = timeline(simulate(items, *self.pool), model.step_time)
+        trace = simulate(items, *self.pool)
+        if sum(shape.tokens <= unseen_up_to for shape in trace.shapes) > UNSEEN_SHARE * len(trace.shapes):
+            return None
+        line = timeline(trace, model.step_time)
         seconds = line.makespan_s
         if stride > 1:   # the rows left out cost what the sample cost while rows were still being admitted
             seconds += (pending / len(sample) - 1) * (line.makespan_s - line.drain_s) * len(sample) / len(items)
