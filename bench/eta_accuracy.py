@@ -36,7 +36,7 @@ def run_recorded(job: str, order: dict, every: float, overrides: list[str]) -> d
         now = time.monotonic()
         start = start if start is not None else now
         if first is None and self.eta is not None:
-            first = now - start
+            first = (now - start, self.eta.seconds_left)
         if now - last[0] >= every:
             last[0] = now
             rows = self.done - self.done_at_start
@@ -56,7 +56,13 @@ def run_recorded(job: str, order: dict, every: float, overrides: list[str]) -> d
         progress_module.Progress.tick = real_tick
     wall = time.monotonic() - start
     return {"wall_s": round(wall, 1), "rows": result.summary["rows_this_run"], "records": records,
-            "first_estimate_s": None if first is None else round(first, 1), "errors": errors_at(records, wall)}
+            "first_estimate": first and first_estimate(*first, wall), "errors": errors_at(records, wall)}
+
+
+def first_estimate(at: float, eta: float, wall: float) -> dict:
+    """When the job's first estimate came (it may fall between two records) and its error."""
+    return {"at_s": round(at, 1), "at_pct": round(100 * at / wall, 1), "eta_s": round(eta, 1),
+            "actual_left_s": round(wall - at, 1), "error_pct": round(100 * (eta - (wall - at)) / (wall - at), 1)}
 
 
 def errors_at(records: list, wall: float) -> dict:
@@ -91,8 +97,10 @@ def main() -> None:
                         ("longest_first", {"bucketing": True, "longest_first": True})):
         run = run_recorded(args.job, order, args.every, args.set)
         result["runs"][name] = run
-        print(f"{name}: {run['rows']} rows in {run['wall_s']} s ({result['cpu']}), first estimate at "
-              f"{run['first_estimate_s']} s")
+        first = run["first_estimate"]
+        print(f"{name}: {run['rows']} rows in {run['wall_s']} s ({result['cpu']}); first estimate "
+              + (f"at {first['at_s']} s ({first['at_pct']} %): {first['eta_s']} s, error {first['error_pct']} %"
+                 if first else "never"))
         print(f"  {'point':>5} {'at s':>7} {'rows':>5} {'left s':>7} {'job ETA':>8} {'error':>7} {'row ETA':>8} "
               f"{'error':>7}")
         for point, e in run["errors"].items():

@@ -164,7 +164,8 @@ class EtaEstimator:
     # -- the estimate ------------------------------------------------------------------------------------------
     def estimate(self, scheduler, queued) -> Eta | None:
         """From the engine's scheduler (its running and waiting requests) and the rows read but not admitted; None
-        before the first fit. Re-simulates when the last simulation is old enough; otherwise counts down from it."""
+        until a fit can price the work left (_fit). Re-simulates when the last simulation is old enough; otherwise
+        counts down from it."""
         now = self.clock()
         if now >= self._next_simulation:
             self._resimulate(now, scheduler, queued)
