@@ -157,7 +157,7 @@ def test_a_full_kv_pool_does_not_fool_the_estimate():
 def test_full_prefill_chunks_alone_do_not_price_the_decode_steps_to_come():
     # 8 rows of 300 prompt tokens and 100 output tokens. As on the CPU, a prefill chunk's attention grows with its
     # own context, which a decode step does not pay: fitted on the first steps (all full 64-token chunks), c takes
-    # that growth and prices the decode steps to come about twice too high. No estimate until smaller steps are
+    # that growth, and an estimate from that fit was 2.1x the time left. No estimate until smaller steps are
     # recorded; the first one then is right.
     def step_time(tokens: int, context: int) -> float:
         return 0.01 + 0.001 * tokens + 2e-5 * context + (1e-6 * tokens * context if tokens > 8 else 0)
