@@ -10,7 +10,7 @@ def length_class(prompt_tokens: int) -> int:
     return max(prompt_tokens, 1).bit_length()
 
 
-PILOT_MIN_ROWS = 4   # the least a class puts in the pilot (eta.OutputLengths.MIN_EVENTS: its own length distribution)
+PILOT_MIN_ROWS = 4   # the least a class puts in the pilot: the finished rows the time left needs for its own lengths
 
 
 def window_order(prompt_lengths: list[int], longest_first: bool, pilot: float) -> list[int]:

@@ -22,7 +22,7 @@ from datetime import datetime, timedelta
 
 import numpy as np
 
-from batchrun.admission_order import length_class
+from batchrun.admission_order import PILOT_MIN_ROWS, length_class
 from batchrun.planner.costmodel import ContextPrior, LinearModel, ModelSpec, StepShape, fit_linear
 from batchrun.planner.simulate import WorkItem, simulate, timeline
 
@@ -75,7 +75,7 @@ class OutputLengths:
     max_tokens is most often one that stops early, so a share would price it at what rows cut by a small max_tokens
     did. Finished rows that stopped are observations; rows cut by max_tokens and running rows are censored ones."""
 
-    MIN_EVENTS = 4    # finished rows of a prompt-length class (or it and its neighbours) for its own distribution
+    MIN_EVENTS = PILOT_MIN_ROWS   # finished rows of a class (or it and its neighbours) for its own distribution
 
     def __init__(self, finished: list[tuple[int, int, bool]] = ()):
         # (prompt tokens, tokens generated, cut by max_tokens)
