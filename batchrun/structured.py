@@ -83,7 +83,29 @@ def _syntax_error(kind: str, source: str) -> str | None:
         return f"not valid JSON ({exc})"
     except RuntimeError as exc:
         return _plain(str(exc))
+    if _matches_nothing(kind, source):
+        return "no text can satisfy it (its language is empty)"
     return None
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_compiler():
+    """A compiler over a vocabulary of the 256 bytes and a stop token: any text is a sequence of its tokens."""
+    import xgrammar as xgr
+    info = xgr.TokenizerInfo([bytes([b]) for b in range(256)] + [b"</s>"], stop_token_ids=[256])
+    return xgr.GrammarCompiler(info)
+
+
+def _matches_nothing(kind: str, source: str) -> bool:
+    """True when the constraint allows neither a first byte nor the empty text. A language that dead-ends later
+    (after some text) is caught while generating: that row fails (GrammarCompiler.mask)."""
+    import xgrammar as xgr
+    compiler = _byte_compiler()
+    grammar = {"json_schema": lambda s: compiler.compile_json_schema(s, any_whitespace=False),
+               "regex": compiler.compile_regex, "grammar": compiler.compile_grammar}[kind](source)
+    bitmask = xgr.allocate_token_bitmask(1, 257)
+    xgr.GrammarMatcher(grammar).fill_next_token_bitmask(bitmask)
+    return not bool(bitmask.any())
 
 
 def _plain(message: str) -> str:
@@ -107,13 +129,25 @@ class GrammarCompiler:
                     "regex": self._compiler.compile_regex, "grammar": self._compiler.compile_grammar}[kind]
         return self._xgr.GrammarMatcher(compile_(source))
 
-    def mask(self, logits: torch.Tensor, matchers: list) -> None:
-        """Ban, in place, each row's tokens its matcher (None: unconstrained row) would refuse."""
+    def mask(self, logits: torch.Tensor, matchers: list) -> dict[int, str]:
+        """Ban, in place, each row's tokens its matcher (None: unconstrained row) would refuse. Returns the rows that
+        cannot go on, with the reason: a matcher that raised, or one that allows no token at all (a dead end: no
+        text continues what it generated so far)."""
         rows = [i for i, m in enumerate(matchers) if m is not None]
+        failed: dict[int, str] = {}
         if not rows:
-            return
+            return failed
         bitmask = self._xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
         for i in rows:
-            matchers[i].fill_next_token_bitmask(bitmask, i)
+            try:
+                matchers[i].fill_next_token_bitmask(bitmask, i)
+            except Exception as exc:   # noqa: BLE001 -- one request's matcher must not end the step for the others
+                failed[i] = f"structured output: the grammar matcher failed ({_plain(str(exc))})"
+        allows_some = bitmask[rows].any(dim=1).tolist()
+        for i, ok in zip(rows, allows_some):
+            if not ok and i not in failed:
+                failed[i] = ("structured output: no text satisfies the constraint after the output so far (the "
+                             "grammar allows no next token)")
         self._xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.vocab_size,
                                               indices=rows)
+        return failed

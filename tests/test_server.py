@@ -342,3 +342,25 @@ def test_n_choices_and_response_format(served):
         response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
     choice = chat.choices[0]
     assert choice.finish_reason == "stop" and json.loads(choice.message.content) in ({"ok": True}, {"ok": False})
+
+
+def test_one_request_cannot_take_the_server_down(served, monkeypatch):
+    """Values that used to pass the server and break the shared step are 400s naming the parameter; a request
+    that still fails inside the step (injected here) fails alone, and the server stays healthy."""
+    from test_engine_isolation import POISON_SEED, _PoisonedSampler
+    llm, server, client, _ = served
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    for raw, param in [(b'{"prompt": "hi", "max_tokens": 3, "seed": 1180591620717411303424}', "seed"),
+                       (b'{"prompt": "hi", "max_tokens": 3, "temperature": NaN}', "temperature"),
+                       (b'{"prompt": "hi", "max_tokens": 3, "top_p": Infinity}', "top_p"),
+                       (b'{"prompt": "hi", "max_tokens": 3, "stop_token_ids": [-1]}', "stop_token_ids"),
+                       (b'{"prompt": "hi", "max_tokens": 3, "response_format": {"type": "json_schema",'
+                        b' "json_schema": {"schema": {"enum": []}}}}', "response_format")]:
+        r = httpx.post(server.url + "/v1/completions", content=raw, headers=headers, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (raw, r.text)
+    monkeypatch.setattr(llm.engine, "sampler", _PoisonedSampler(llm.engine.sampler))
+    with pytest.raises(openai.InternalServerError, match="generation failed: sampling failed"):
+        client.completions.create(model="tiny", prompt="hello", max_tokens=4, seed=POISON_SEED)
+    r = client.completions.create(model="tiny", prompt="hello", max_tokens=4, temperature=0)
+    assert r.choices[0].finish_reason in ("length", "stop")
+    assert _raw(server, "/health").status_code == 200 and llm.healthy

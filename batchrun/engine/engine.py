@@ -21,7 +21,7 @@ from batchrun.engine.scheduler import Lane, Scheduler, StepPlan, WaitingQueue, d
 from batchrun.engine.stop import StopRule
 from batchrun.models import cpu_gemm
 from batchrun.models.registry import model_class
-from batchrun.sampling_params import SamplingParams
+from batchrun.sampling_params import SamplingParams, sample_seed
 from batchrun.structured import GrammarCompiler
 
 log = logging.getLogger("batchrun")
@@ -185,7 +185,10 @@ class Engine:
             return "structured output: this model has no tokenizer to match the grammar against"
         if self._grammars is None:
             self._grammars = GrammarCompiler(self.tokenizer, self.hf_config.vocab_size, sorted(self._eos_token_ids()))
-        request.grammar = self._grammars.matcher(*constraint)
+        try:
+            request.grammar = self._grammars.matcher(*constraint)
+        except Exception as exc:   # noqa: BLE001 -- e.g. a schema that parses but does not compile for this vocabulary
+            return f"{constraint[0]}: cannot be compiled for this model's vocabulary ({exc})"
         return None
 
     def has_unfinished(self) -> bool:
@@ -200,7 +203,11 @@ class Engine:
         return [self._output(r) for r in samples]
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns an output for each request that got a token or finished."""
+        """Run one step; returns an output for each request that got a token or finished.
+
+        A request that fails after the forward (its grammar, its sampling, its stop rule) ends alone with
+        finish_reason 'error' and its reason; the step goes on for the others. A forward that raises is the
+        engine's failure: it propagates."""
         start = time.perf_counter()
         touched = self._rejected
         self._rejected = []
@@ -209,22 +216,24 @@ class Engine:
         if plan.scheduled:
             self.stats.prompt_tokens += plan.num_prompt_tokens
             logits, sample_reqs = self.runner.run(plan, self._pool_of)
-            logits, sample_reqs = self._fork(logits, sample_reqs)
+            failed: dict[Request, str] = {}   # request -> why it ends now, alone
+            logits, sample_reqs = self._fork(logits, sample_reqs, failed)
             if self._grammars is not None:
-                self._grammars.mask(logits, [r.grammar for r in sample_reqs])
-            tokens, logprobs = self.sampler(logits, sample_reqs)
-            for request, token in zip(sample_reqs, tokens):
-                if request.grammar is not None:
-                    request.grammar.accept_token(token)
-            finished = self.scheduler.update(plan, zip(sample_reqs, tokens, logprobs))
+                dead = self._grammars.mask(logits, [r.grammar for r in sample_reqs])
+                failed.update((sample_reqs[i], why) for i, why in dead.items())
+            sampled = self._sample(logits, sample_reqs, failed)
+            sampled = [s for s in sampled if self._accept(s[0], s[1], failed)]
+            finished = self.scheduler.update(plan, sampled)
+            for request, why in failed.items():
+                self._finish(request, "error", why)
             now = time.monotonic()
             for request in sample_reqs:
-                if request.first_token_time is None:
+                if request.first_token_time is None and request not in failed:
                     request.first_token_time = now
             for request in finished:
                 self._finalize(request)
             touched.extend(sample_reqs)
-            self.stats.output_tokens += len(sample_reqs)
+            self.stats.output_tokens += len(sampled)
         elif not touched and self.scheduler.running:
             raise RuntimeError("scheduler planned no work while requests are running")
         self._update_stats(plan, context, time.perf_counter() - start)
@@ -232,7 +241,46 @@ class Engine:
             cpu_gemm.return_freed_memory()
         return [self._output(r) for r in touched]
 
-    def _fork(self, logits: torch.Tensor, sample_reqs: list[Request]) -> tuple[torch.Tensor, list[Request]]:
+    def _sample(self, logits: torch.Tensor, requests: list[Request],
+                failed: dict[Request, str]) -> list[tuple[Request, int, float | None]]:
+        """(request, token, logprob) for each request not in `failed`. When the batched sampler raises, each
+        request is sampled alone, and those that still raise join `failed`; when every one of them raises, the
+        fault is not one request's and it propagates."""
+        live = [i for i, r in enumerate(requests) if r not in failed]
+        if not live:
+            return []
+        rows = [requests[i] for i in live]
+        try:
+            tokens, logprobs = self.sampler(logits if len(live) == len(requests) else logits[live], rows)
+            return list(zip(rows, tokens, logprobs))
+        except Exception as exc:   # noqa: BLE001 -- find the request(s) it came from
+            batch_error = exc
+        sampled = []
+        for i, request in zip(live, rows):
+            try:
+                (token,), (logprob,) = self.sampler(logits[i:i + 1], [request])
+                sampled.append((request, token, logprob))
+            except Exception as exc:   # noqa: BLE001
+                failed[request] = f"sampling failed: {type(exc).__name__}: {exc}"
+        if not sampled and len(rows) > 1:
+            raise batch_error
+        return sampled
+
+    @staticmethod
+    def _accept(request: Request, token: int, failed: dict[Request, str]) -> bool:
+        """Feed the sampled token to the request's grammar; False (and the request in `failed`) when it cannot."""
+        if request.grammar is None:
+            return True
+        try:
+            if request.grammar.accept_token(token):
+                return True
+            failed[request] = f"structured output: the grammar refused token {token}"
+        except Exception as exc:   # noqa: BLE001
+            failed[request] = f"structured output: the grammar matcher failed ({exc})"
+        return False
+
+    def _fork(self, logits: torch.Tensor, sample_reqs: list[Request],
+              failed: dict[Request, str]) -> tuple[torch.Tensor, list[Request]]:
         """Prompts sampled for the first time with n > 1: their other samples join, sharing the prompt's KV blocks
         and sampling their first token from the prompt's logits row."""
         if not any(r.forks_pending for r in sample_reqs):
@@ -242,7 +290,7 @@ class Engine:
             rows.append(row)
             requests.append(request)
             if request.forks_pending:
-                siblings = [self._sibling(request, k) for k in range(1, request.params.n)]
+                siblings = [self._sibling(request, k, failed) for k in range(1, request.params.n)]
                 # LongRoPE rewrites a sequence's keys once it outgrows the original context: nothing is shared
                 copies = self.scheduler.fork(request, siblings, share=self.model.long_rope_after is None)
                 if copies:
@@ -251,15 +299,17 @@ class Engine:
                 requests += siblings
         return logits[torch.tensor(rows, device=logits.device)], requests
 
-    def _sibling(self, parent: Request, index: int) -> Request:
+    def _sibling(self, parent: Request, index: int, failed: dict[Request, str]) -> Request:
         """Sample `index` of the parent's prompt: its own generator (seed + index when the prompt has a seed) and
         its own grammar matcher."""
         params = parent.params
         if params.seed is not None:
-            params = dataclasses.replace(params, seed=params.seed + index)
+            params = dataclasses.replace(params, seed=sample_seed(params.seed, index))
         sibling = Request(parent.request_id, list(parent.prompt_token_ids), params, parent.lane, parent.priority,
                           parent.order_key, arrival_time=parent.arrival_time, sample_index=index)
-        self._attach_grammar(sibling)
+        error = self._attach_grammar(sibling)
+        if error:
+            failed[sibling] = error
         self.requests[parent.request_id].append(sibling)
         return sibling
 

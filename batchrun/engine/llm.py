@@ -90,6 +90,8 @@ class LLM:
                 raise EngineOverloaded(f"{len(self._handles)} submitted requests in flight "
                                        f"(limit {self.max_pending_submits}); retry later")
             request_id = request_id or f"submit-{next(self._submit_ids)}"
+            if request_id in self._handles:
+                raise ValueError(f"request_id: {request_id!r} is already in flight")
             params = params or SamplingParams()
             handle = RequestHandle(request_id, self.tokenizer, self._inbox_abort)
             self._handles[request_id] = handle
@@ -108,7 +110,12 @@ class LLM:
             inbox, aborts = self._inbox, self._aborts
             self._inbox, self._aborts = [], []
         for token_ids, params, request_id, lane, priority in inbox:
-            self.engine.add_request(token_ids, params, request_id=request_id, lane=lane, priority=priority)
+            try:
+                self.engine.add_request(token_ids, params, request_id=request_id, lane=lane, priority=priority)
+            except ValueError as exc:   # this request alone (e.g. its id is taken by a request of a job)
+                with self._inbox_lock:
+                    handle = self._handles.pop(request_id)
+                handle._push(RequestOutput(request_id, len(token_ids), [], "", True, "error", error=str(exc)))
         for request_id in aborts:
             finals = self.engine.abort(request_id)
             handle = self._handles.pop(request_id, None)

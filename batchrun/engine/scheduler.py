@@ -210,7 +210,10 @@ class Scheduler:
             request.token_ids.append(token)
             if logprob is not None:
                 request.logprobs.append(logprob)
-            reason = self.stop_rule(request)
+            try:
+                reason = self.stop_rule(request)
+            except Exception as exc:   # noqa: BLE001 -- one request's stop rule must not end the step for others
+                request.error, reason = f"stop rule failed: {type(exc).__name__}: {exc}", "error"
             if reason:
                 self.finish(request, reason)
                 finished.append(request)
