@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import sys
+import threading
 
 import click
 
@@ -22,6 +24,36 @@ def main(verbose: bool) -> None:
 _EXIT_HELP = "Exit codes: " + "; ".join(f"{code} {meaning}" for code, meaning in EXIT_CODES.items()) + "."
 _SET = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
                     help="Override a field of the job file, e.g. --set input.limit=20 (repeatable).")
+
+
+class _Bounded(click.ParamType):
+    """A number in a range, checked when the flag is read (NaN and inf refused), so a bad flag is a usage error
+    naming it (exit 2), never a traceback from deep inside a command."""
+
+    def __init__(self, kind: type, low: float, high: float | None = None, low_open: bool = False):
+        self.kind, self.low, self.high, self.low_open = kind, low, high, low_open
+        self.name = kind.__name__
+        left = "(" if low_open else "["
+        noun = "an integer" if kind is int else "a number"
+        self.what = f"{noun} in {left}{low}, {high}]" if high is not None else \
+            f"{noun} {'>' if low_open else '>='} {low}"
+
+    def convert(self, value, param, ctx):
+        try:
+            number = self.kind(value)
+        except (TypeError, ValueError):
+            self.fail(f"must be {self.what}, got {value!r}", param, ctx)
+        above = number > self.low if self.low_open else number >= self.low
+        if not (above and (self.high is None or number <= self.high)):   # NaN fails every comparison
+            self.fail(f"must be {self.what}, got {value!r}", param, ctx)
+        return number
+
+
+POSITIVE_INT = _Bounded(int, 1)
+NON_NEGATIVE = _Bounded(float, 0)
+POSITIVE = _Bounded(float, 0, low_open=True)
+SHARE = _Bounded(float, 0, 1, low_open=True)
+PORT = _Bounded(int, 0, 65535)
 
 
 def _fail(exc) -> None:
@@ -92,17 +124,18 @@ _GENERATE_FLAGS = {("input", "limit"): "--limit", ("input", "prompt_column"): "-
 @click.option("--model", default=EngineConfig.model, show_default=True)
 @click.option("--output", "-o", type=click.Path(file_okay=False),
               help="Output directory, as a job's output.path  [default: batchrun-out/PARQUET's name]")
-@click.option("--limit", type=int, help="Only the first N rows.")
+@click.option("--limit", type=POSITIVE_INT, help="Only the first N rows.")
 @click.option("--prompt-column", default="prompt", show_default=True)
 @click.option("--id-column", default="id", show_default=True)
-@click.option("--max-tokens", type=int, default=JOB_SAMPLING_DEFAULTS["max_tokens"], show_default=True,
+@click.option("--max-tokens", type=POSITIVE_INT, default=JOB_SAMPLING_DEFAULTS["max_tokens"], show_default=True,
               help="Used where the file has no max_tokens column.")
-@click.option("--temperature", type=float, default=JOB_SAMPLING_DEFAULTS["temperature"], show_default=True)
+@click.option("--temperature", type=NON_NEGATIVE, default=JOB_SAMPLING_DEFAULTS["temperature"], show_default=True)
 @click.option("--chat/--no-chat", default=False, help="Wrap each prompt as a user message in the chat template.")
 @click.option("--kv-cache-memory", help="KV pool size  [default: 2GiB on CPU, profiled on CUDA]")
 @click.option("--kv-cache-dtype", default=EngineConfig.kv_cache_dtype, show_default=True)
-@click.option("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs, show_default=True)
-@click.option("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens, show_default=True)
+@click.option("--max-num-seqs", type=POSITIVE_INT, default=EngineConfig.max_num_seqs, show_default=True)
+@click.option("--max-num-batched-tokens", type=POSITIVE_INT, default=EngineConfig.max_num_batched_tokens,
+              show_default=True)
 @_RESTART
 @_PROGRESS
 def generate(parquet, model, output, limit, prompt_column, id_column, max_tokens, temperature, chat,
@@ -131,6 +164,15 @@ def generate(parquet, model, output, limit, prompt_column, id_column, max_tokens
     _run_job(job_, restart, progress, preview=5)
 
 
+def _absorb_signals() -> None:
+    """From here the process only reports and winds down (threads, interpreter teardown), with every row already
+    saved: a further Ctrl-C or SIGTERM is ignored, so the exit code stays the job's (not 130). Ignored, not handled:
+    Python resets its own handlers to the default (die by the signal) late in its teardown, but leaves SIG_IGN."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+
+
 def _run_job(job_, restart: bool, progress: str, serve=None, preview: int = 0) -> None:
     """Run or resume the job, print its first `preview` results and a summary line, exit with its code."""
     from batchrun.job import JobError
@@ -140,8 +182,10 @@ def _run_job(job_, restart: bool, progress: str, serve=None, preview: int = 0) -
     except JobError as exc:
         _fail(exc)
     except KeyboardInterrupt:
+        _absorb_signals()
         click.echo("batchrun: interrupted; finished rows are saved, submit again to resume", err=True)
         sys.exit(EXIT_INTERRUPTED)
+    _absorb_signals()
     if preview:
         for r in result.table().slice(0, preview).to_pylist():
             click.echo(f"[{r['id']}] {r['text'] if r['status'] == 'ok' else r['error']!r} ({r['finish_reason']})")
@@ -166,13 +210,12 @@ def validate(job, overrides) -> None:
 @main.command(help="Compare N of JOB's prompts, greedy, with unquantized KV and with the job's 8-bit KV dtype.")
 @click.argument("job", type=click.Path(dir_okay=False))
 @_SET
-@click.option("--sample", "sample", type=int, default=32, show_default=True, help="How many of the job's prompts.")
+@click.option("--sample", "sample", type=POSITIVE_INT, default=32, show_default=True,
+              help="How many of the job's prompts.")
 @click.option("--dtype", "kv_dtype", type=click.Choice(["int8", "fp8"]), help="Default: the job's kv_cache_dtype.")
 def kvcheck(job, overrides, sample, kv_dtype) -> None:
     from batchrun.job import Job, JobError
     from batchrun.job.kv_gate import kvcheck as run
-    if sample <= 0:
-        raise click.BadParameter(f"must be a positive integer, got {sample}", param_hint="--sample")
     try:
         report = run(Job.from_yaml(job, list(overrides)).spec, sample, kv_dtype)
     except JobError as exc:
@@ -195,19 +238,19 @@ def kvcheck(job, overrides, sample, kv_dtype) -> None:
 @click.option("--catalog", type=click.Path(dir_okay=False), help="YAML file adding or overriding GPU entries.")
 @click.option("--model-config", help="Size for this model (directory, hub id or config.json) instead of the "
               "job's model; prompts are still measured with the job's tokenizer.")
-@click.option("--utilization", type=float, default=0.9, show_default=True, help="Share of GPU memory used.")
-@click.option("--max-num-seqs", type=int, help="Seats per GPU (default: the job's engine.max_num_seqs).")
+@click.option("--utilization", type=SHARE, default=0.9, show_default=True, help="Share of GPU memory used.")
+@click.option("--max-num-seqs", type=POSITIVE_INT, help="Seats per GPU (default: the job's engine.max_num_seqs).")
 @click.option("--calibrate", is_flag=True, help="Run a pilot of the job here, fit the step-time model and predict "
               "the whole job on this machine.")
-@click.option("--pilot-fraction", type=float, default=0.2, show_default=True, help="Share of rows in the pilot.")
-@click.option("--interactive-rate", type=float, help="Interactive requests/s served next to the job: adds the "
+@click.option("--pilot-fraction", type=SHARE, default=0.2, show_default=True, help="Share of rows in the pilot.")
+@click.option("--interactive-rate", type=POSITIVE, help="Interactive requests/s served next to the job: adds the "
               "mixed-SLA comparison (one shared pool with lanes vs a latency pool + a throughput pool); needs "
               "--deadline.")
-@click.option("--interactive-prompt-tokens", type=int, default=512, show_default=True)
-@click.option("--interactive-output-tokens", type=int, default=128, show_default=True)
+@click.option("--interactive-prompt-tokens", type=POSITIVE_INT, default=512, show_default=True)
+@click.option("--interactive-output-tokens", type=POSITIVE_INT, default=128, show_default=True)
 @click.option("--ttft-p95", default="1s", show_default=True, help="Interactive p95 time-to-first-token target.")
 @click.option("--tpot-p95", default="100ms", show_default=True, help="Interactive p95 time-per-output-token target.")
-@click.option("--headroom", type=float, default=0.2, show_default=True, help="The latency pool is sized for the "
+@click.option("--headroom", type=NON_NEGATIVE, default=0.2, show_default=True, help="The latency pool is sized for the "
               "interactive rate x (1 + headroom).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Draw throughput vs concurrency per KV "
               "dtype (memory limits marked) and the job's predicted progress to this PNG (needs matplotlib: "
@@ -289,21 +332,24 @@ def _engine_overrides(items) -> dict:
 @click.option("--model", default=EngineConfig.model, show_default=True)
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Interface to listen on; the default is loopback only.")
-@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--port", type=PORT, default=8000, show_default=True)
 @click.option("--api-key", envvar="BATCHRUN_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/* "
               "(also read from BATCHRUN_API_KEY).")
 @click.option("--served-model-name", help="The model id clients send and /v1/models lists (default: --model).")
-@click.option("--max-prompt-tokens", type=int, help="Refuse longer prompts with 400 (default: the context - 1).")
-@click.option("--max-tokens-limit", type=int, help="Refuse a larger max_tokens with 400 (default: the context).")
-@click.option("--max-pending", type=int, default=64, show_default=True,
+@click.option("--max-prompt-tokens", type=POSITIVE_INT,
+              help="Refuse longer prompts with 400 (default: the context - 1).")
+@click.option("--max-tokens-limit", type=POSITIVE_INT,
+              help="Refuse a larger max_tokens with 400 (default: the context).")
+@click.option("--max-pending", type=POSITIVE_INT, default=64, show_default=True,
               help="Requests in flight before new ones get 429.")
-@click.option("--max-body-bytes", type=int, default=4 << 20, show_default=True,
+@click.option("--max-body-bytes", type=POSITIVE_INT, default=4 << 20, show_default=True,
               help="Larger request bodies get 413 before they are read.")
 @click.option("--kv-cache-memory", help="KV pool size  [default: 2GiB on CPU, profiled on CUDA]")
 @click.option("--kv-cache-dtype", default=EngineConfig.kv_cache_dtype, show_default=True)
-@click.option("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs, show_default=True)
-@click.option("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens, show_default=True)
-@click.option("--max-model-len", type=int)
+@click.option("--max-num-seqs", type=POSITIVE_INT, default=EngineConfig.max_num_seqs, show_default=True)
+@click.option("--max-num-batched-tokens", type=POSITIVE_INT, default=EngineConfig.max_num_batched_tokens,
+              show_default=True)
+@click.option("--max-model-len", type=POSITIVE_INT)
 @click.option("--engine", "engine_items", multiple=True, metavar="KEY=VALUE",
               help="Any other engine option (see batchrun/config.py), e.g. --engine block_size=32 (repeatable).")
 def serve(model, host, port, api_key, served_model_name, max_prompt_tokens, max_tokens_limit, max_pending,

@@ -70,8 +70,8 @@ def test_bad_rows_fail_alone(tmp_path, tiny_model):
     assert rows["r0"]["status"] == rows["r5"]["status"] == "ok" and rows["r5"]["completion_tokens"] == 6
     assert rows["r1"]["error"] == rows["r2"]["error"] == "prompt: null or empty"
     assert "does not fit the context of 512 tokens; set input.truncate" in rows["r3"]["error"]
-    assert rows["r4"]["error"].startswith("max_tokens: must be a positive integer, got -2")
-    assert rows["r6"]["error"].startswith("temperature: must be >= 0")
+    assert rows["r4"]["error"] == "max_tokens (column 'mt'): must be a positive integer, got -2"
+    assert rows["r6"]["error"].startswith("temperature (column 'temp'): must be a finite number >= 0")
     truncated = Job.from_yaml(job, ["input.truncate=left", "output.path=out/trunc"]).run(progress="log").table()
     row = truncated.filter(pa.compute.equal(truncated["id"], "r3")).to_pylist()[0]
     assert row["status"] == "ok" and row["prompt_tokens"] == 512 - 4
@@ -88,6 +88,7 @@ def test_malformed_jsonl_lines_fail_alone(tmp_path, tiny_model):
     assert [r["status"] for r in rows] == ["ok", "error", "error", "error", "error", "ok"]
     assert rows[1]["id"] == "line-2" and "in.jsonl line 2: not valid JSON" in rows[1]["error"]
     assert "url '/v1/embeddings' is not supported" in rows[2]["error"]
-    assert "body.messages must be a list" in rows[3]["error"] and rows[4]["error"].startswith("temperature")
+    assert "body.messages must be a list" in rows[3]["error"]
+    assert rows[4]["error"].startswith("in.jsonl line 5: body.temperature: must be a finite number >= 0")
     assert "duplicate ids in the input: 'a' at in.jsonl line 1 and in.jsonl line 6" in job_error(
         write_job(tmp_path, tiny_model[0], name="strict", input={"path": "in.jsonl"}))

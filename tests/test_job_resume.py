@@ -96,3 +96,21 @@ def test_lock_and_sigterm(tmp_path, tiny_model):
     resumed = cli("submit", job, "--progress", "log", "--set", "engine.max_num_seqs=16")
     assert resumed.returncode == EXIT_OK, resumed.stderr
     assert_exactly_once(out, ids)
+
+
+def test_signals_during_wind_down_keep_exit_code_5(tmp_path, tiny_model):
+    """Ctrl-C, then Ctrl-C again and again while the job stops, writes its summary and the process winds down:
+    the exit code stays 5 (never 130 from an uncaught KeyboardInterrupt) and the finished rows are saved."""
+    write_prompts(tmp_path / "in.parquet", 60)
+    job = write_job(tmp_path, tiny_model[0], **SLOW)
+    out = str(tmp_path / "out" / "job")
+    proc = start_submit(job)
+    wait_for(lambda: len(committed(out)) >= 2, proc)
+    proc.send_signal(signal.SIGINT)
+    while proc.poll() is None:
+        time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+    stderr = proc.stderr.read()
+    assert proc.returncode == EXIT_INTERRUPTED, stderr
+    assert "Traceback" not in stderr
+    assert len(committed(out)) >= 2

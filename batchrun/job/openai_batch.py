@@ -79,8 +79,11 @@ class OpenAIBatchSource:
                 except ValueError as exc:
                     row.error = f"{os.path.basename(path)} line {number}: body.{exc}"
                 else:
-                    set_params(self.spec, row, {**{p: body[k] for k, p in BODY_PARAMS.items()
-                                                   if body.get(k) is not None}, **structured})
+                    given = {k: p for k, p in BODY_PARAMS.items() if body.get(k) is not None}
+                    where = f"{os.path.basename(path)} line {number}: body."
+                    set_params(self.spec, row, {**{p: body[k] for k, p in given.items()}, **structured},
+                               {**{p: where + k for k, p in given.items()},
+                                **{k: where + "response_format" for k in structured}})
             rows.append(row)
             if len(rows) == batch_size:
                 yield rows

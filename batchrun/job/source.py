@@ -65,12 +65,14 @@ def records(batch: pa.RecordBatch) -> list[dict]:
         return [dict(zip(names, values)) for values in zip(*(column_values(c) for c in batch.columns))]
 
 
-def set_params(spec: JobSpec, row: Row, overrides: dict) -> None:
-    """The row's SamplingParams: the job's sampling section under the row's own values; bad values fail the row."""
+def set_params(spec: JobSpec, row: Row, overrides: dict, origin: dict[str, str]) -> None:
+    """The row's SamplingParams: the job's sampling section under the row's own values; a bad value fails the row,
+    its message naming where the value came from (origin: parameter -> e.g. "column 'temp'")."""
     try:
         row.params = spec.sampling_params(**overrides)
     except (ValueError, TypeError) as exc:
-        row.error = f"{exc} (per-row value)"
+        field, _, message = str(exc).partition(": ")
+        row.error = f"{origin[field]}: {message}" if field in origin else f"{exc} (with this row's values)"
 
 
 def input_files(spec: JobSpec) -> list[str]:
@@ -118,8 +120,8 @@ class ParquetSource:
                 raise JobError(f"{path}: column {column!r} (input.{key}) must hold {kind}, but its type is {t}")
             return t
 
-        id_type = need("id_column", inp.id_column, lambda t: pa.types.is_string(t) or pa.types.is_large_string(t)
-                       or pa.types.is_integer(t), "strings or integers")
+        id_type = _plain_type(need("id_column", inp.id_column, lambda t: _is_text(t) or pa.types.is_integer(t),
+                                   "strings or integers"))
         if self.id_type is not None and id_type != self.id_type:
             raise JobError(f"{path}: column {inp.id_column!r} has type {id_type}, but {self.files[0]} has "
                            f"{self.id_type}; all input files must agree")
@@ -140,7 +142,7 @@ class ParquetSource:
 
     def passthrough_schema(self) -> list[pa.Field]:
         schema = self._open(self.files[0]).schema_arrow
-        return [schema.field(c) for c in self.inp.passthrough]
+        return [schema.field(c).with_type(_plain_type(schema.field(c).type)) for c in self.inp.passthrough]
 
     def input_table(self) -> pa.Table:
         """Every input column, in input order up to input.limit, with each row's row_index."""
@@ -199,8 +201,9 @@ def row_from_record(spec: JobSpec, index: int, r: dict) -> Row:
     if invalid:
         row.error = f"input: column {invalid!r} holds text that is not valid UTF-8 in this row"
         return row
-    set_params(spec, row, {param: r[getattr(inp, key)] for key, param in ROW_PARAM_COLUMNS.items()
-                           if getattr(inp, key)})
+    columns = {param: getattr(inp, key) for key, param in ROW_PARAM_COLUMNS.items() if getattr(inp, key)}
+    set_params(spec, row, {param: r[column] for param, column in columns.items()},
+               {param: f"{param} (column {column!r})" for param, column in columns.items()})
     if inp.template:
         missing = [c for c in inp.template_columns if r[c] is None]
         if missing:
@@ -213,7 +216,16 @@ def row_from_record(spec: JobSpec, index: int, r: dict) -> Row:
 
 
 def _is_text(t: pa.DataType) -> bool:
-    return pa.types.is_string(t) or pa.types.is_large_string(t)
+    """Strings in any of Arrow's layouts: plain, large, view, or dictionary-encoded (pandas' category columns)."""
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
+
+
+def _plain_type(t: pa.DataType) -> pa.DataType:
+    """The type of the values as read (to_pylist), which is what the output holds: a dictionary's values."""
+    t = t.value_type if pa.types.is_dictionary(t) else t
+    return pa.string() if pa.types.is_string_view(t) else t
 
 
 def _is_messages(t: pa.DataType) -> bool:

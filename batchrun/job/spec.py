@@ -10,7 +10,7 @@ import hashlib
 import json
 import os
 import typing
-from datetime import datetime
+from datetime import date, datetime
 from typing import Literal
 
 import yaml
@@ -111,7 +111,8 @@ class JobSpec:
             return self.fail(key, f"must be {_bound(error)}, got {value!r}")
         if kind.endswith("_type") or kind in ("int_from_float", "bool_parsing"):
             item = loc[len(key)] if len(loc) > len(key) and isinstance(loc[len(key)], int) else None
-            got = f"item {item} is {value!r}" if item is not None else f"got {value!r}"
+            shown = value.isoformat() if isinstance(value, (date, datetime)) else repr(value)
+            got = f"item {item} is {shown}" if item is not None else f"got {shown}"
             return self.fail(key, f"must be {_describe(annotation)}, {got}")
         return self.fail(key, error["msg"].removeprefix("Value error, "))
 
@@ -141,6 +142,10 @@ class JobSpec:
         try:
             self.sampling_params()
         except ValueError as exc:
+            field, _, message = str(exc).partition(": ")
+            schema_file = self.sampling.json_schema_file
+            if field == "json_schema" and schema_file:   # the schema came from a file: name the file
+                raise self.fail(("sampling", "json_schema_file"), f"{self.resolve(schema_file)}: {message}") from None
             raise self._field_error("sampling", exc) from exc
 
     def _read_schema_file(self) -> None:
@@ -159,6 +164,12 @@ class JobSpec:
         except ValueError as exc:
             raise self.fail(("sampling", "json_schema_file"), f"{self.resolve(name)} is not valid JSON "
                                                                f"({exc})") from None
+        if not isinstance(self.sampling.json_schema, dict):
+            found = {list: "array", str: "string", int: "number", float: "number", bool: "boolean"}.get(
+                type(self.sampling.json_schema), "null")
+            self.sampling.json_schema = None
+            raise self.fail(("sampling", "json_schema_file"), f"{self.resolve(name)} holds a JSON {found}, not a "
+                                                               f"JSON schema (an object)")
 
     def _read_deadline(self) -> datetime | None:
         if self.deadline is None:
@@ -242,7 +253,7 @@ def _choices(annotation) -> list[str]:
 
 
 _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true/false", list: "a list",
-               dict: "a mapping"}
+               dict: "a mapping", datetime: "a date-time such as 2030-01-31T06:00"}
 
 
 def _describe(annotation) -> str:

@@ -102,7 +102,7 @@ def parse_prices(items) -> dict[str, float]:
             price = float(value)
         except ValueError:
             price = -1.0
-        if not sep or not name.strip() or price <= 0:
+        if not sep or not name.strip() or not 0 < price < float("inf"):   # NaN fails too
             raise ValueError(f"--price: expected NAME=USD_PER_HOUR with a positive price, got {item!r}")
         prices[name.strip()] = price
     return prices

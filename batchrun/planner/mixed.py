@@ -64,7 +64,7 @@ class Traffic:
             if not getattr(self, name) > 0:
                 raise ValueError(f"--interactive-{name.replace('_', '-')}: must be positive, "
                                  f"got {getattr(self, name)!r}")
-        if self.headroom < 0:
+        if not self.headroom >= 0:   # NaN too
             raise ValueError(f"--headroom: must be >= 0, got {self.headroom!r}")
 
     @property

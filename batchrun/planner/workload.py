@@ -46,6 +46,8 @@ def read_model_config(source: str, trust_remote_code: bool = False, field: str =
 
 def engine_settings(spec: JobSpec, max_num_seqs: int | None = None) -> dict:
     engine = spec.engine
+    if max_num_seqs is not None and (not isinstance(max_num_seqs, int) or max_num_seqs < 1):
+        raise ValueError(f"--max-num-seqs: must be a positive integer, got {max_num_seqs!r}")
     return {"block_size": engine.block_size, "max_num_seqs": max_num_seqs or engine.max_num_seqs,
             "max_num_batched_tokens": engine.max_num_batched_tokens, "prefix_caching": engine.enable_prefix_caching}
 
