@@ -77,6 +77,7 @@ def test_streaming_equals_non_streaming(served):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert len([c for c in chunks if c.choices]) == 1 + 12   # the role, then one chunk per token
 
     text = "".join(c.choices[0].text for c in client.completions.create(
         model="tiny", prompt="The lazy dog", max_tokens=8, temperature=0, stream=True))

@@ -185,15 +185,17 @@ class _Server:
         """SSE body. Cancelled by Starlette when the client goes away: the finally aborts the request."""
         self.metrics.in_flight.inc()
         sent, decoded, offset = "", "", 0
+        role_due = isinstance(fmt, ChatFormat)   # sent with the first token, as vLLM does: clients time TTFT by it
         try:
-            if isinstance(fmt, ChatFormat):
-                yield sse(fmt.role_chunk())
             async for chunk in handle.astream():
                 self._first_token(chunk, arrival)
                 out = chunk.output
                 if out.finish_reason in ("error", "abort"):
                     yield sse(_error_for(out).body())
                     break
+                if role_due:
+                    yield sse(fmt.role_chunk())
+                    role_due = False
                 if chunk.finished:
                     text = out.text or ""
                     delta = text[len(sent):] if text.startswith(sent) else ""
@@ -205,7 +207,7 @@ class _Server:
                 if logprobs and chunk.new_token_ids:
                     lp = fmt.logprobs(chunk.new_token_ids, (out.logprobs or [])[-len(chunk.new_token_ids):], offset)
                     offset += sum(len(t) for t in lp.get("tokens", []))
-                if delta or chunk.finished or lp:
+                if delta or chunk.finished or lp or chunk.new_token_ids:   # a chunk per token, even one with no text
                     yield sse(fmt.chunk(delta, out.finish_reason if chunk.finished else None, lp))
                 if chunk.finished:
                     self.metrics.count_tokens(out.prompt_tokens, len(out.token_ids))
