@@ -8,6 +8,7 @@ import logging
 import os
 
 from batchrun.job import prepare
+from batchrun.job.atomic import atomic_write
 from batchrun.job.errors import EXIT_GATE_FAILED, JobError
 from batchrun.job.prompts import PromptEncoder
 from batchrun.job.spec import JobSpec
@@ -77,9 +78,7 @@ def decide(spec: JobSpec, out_dir: str) -> dict:
         decision = {"report": report.as_dict(), "passed": passed, "action": action, "reason": reason,
                     "kv_cache_dtype": options["kv_cache_dtype"] if passed or action == "stop"
                     else gate.fallback_dtype}
-        with open(path + ".tmp", "w") as f:
-            json.dump(decision, f, indent=2)
-        os.replace(path + ".tmp", path)
+        atomic_write(path, json.dumps(decision, indent=2))
     log.info("KV quality gate: %s -> %s (%s)", decision["reason"], decision["action"], decision["kv_cache_dtype"])
     if decision["action"] == "stop":
         raise JobError(f"{spec.where('kv_quality_gate')}: failed: {decision['reason']}; "

@@ -15,6 +15,7 @@ from typing import Any, Iterator
 
 import pyarrow as pa
 
+from batchrun.job.atomic import atomic_write
 from batchrun.job.errors import JobError
 from batchrun.job.source import Row, input_files, set_params
 from batchrun.job.spec import JobSpec
@@ -124,10 +125,10 @@ def _parse(path: str, number: int, raw: bytes) -> tuple[str, dict | None, str | 
 
 
 def write_output(table: pa.Table, path: str, model: str) -> None:
-    """Results as OpenAI batch output JSONL, in input order; written to a temporary name, then renamed."""
-    tmp = path + ".tmp"
+    """Results as OpenAI batch output JSONL, in input order, written atomically (atomic_write)."""
     created = int(time.time())
-    with open(tmp, "w", encoding="utf-8") as f:
+
+    def lines(f):
         rows = table.sort_by([("row_index", "ascending"), ("sample_index", "ascending")]).to_pylist()
         for _, samples in itertools.groupby(rows, key=lambda r: r["row_index"]):
             samples = list(samples)
@@ -140,8 +141,8 @@ def write_output(table: pa.Table, path: str, model: str) -> None:
                                     "body": _body(samples, model, created)}
             else:
                 line["error"] = {"code": "invalid_request", "message": failed["error"]}
-            f.write(json.dumps(line, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+            f.write((json.dumps(line, ensure_ascii=False) + "\n").encode())
+    atomic_write(path, lines)
 
 
 def _body(samples: list[dict], model: str, created: int) -> dict:

@@ -8,7 +8,8 @@ import shutil
 
 from batchrun.job.errors import JobError
 from batchrun.job.openai_batch import OpenAIBatchSource
-from batchrun.job.report import read_state, write_atomic
+from batchrun.job.atomic import atomic_write
+from batchrun.job.report import read_state
 from batchrun.job.preflight import model_fingerprint
 from batchrun.job.sink import ShardStore
 from batchrun.job.source import ParquetSource, fingerprint
@@ -98,7 +99,7 @@ def claim_output(spec: JobSpec, out_dir: str, state: dict, restart: bool) -> Non
             elif os.path.exists(path):
                 os.remove(path)
     if restart or read_state(out_dir) is None:
-        write_atomic(os.path.join(out_dir, "job.json"), json.dumps(state, indent=2) + "\n")
+        atomic_write(os.path.join(out_dir, "job.json"), json.dumps(state, indent=2) + "\n")
 
 
 def _diff(old: dict, new: dict) -> str:

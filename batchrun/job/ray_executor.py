@@ -14,6 +14,7 @@ import socket
 import uuid
 
 from batchrun.job import kv_gate, report
+from batchrun.job.atomic import atomic_write
 from batchrun.job.ray_progress import RayProgress
 from batchrun.job.runner import JobRunner
 from batchrun.job.sink import ResultSink
@@ -117,7 +118,7 @@ class RayJobRunner(JobRunner):
         options = kv_gate.decide(spec, out_dir)
         # a new run token first, then the done ids: a replica of an earlier, killed driver commits nothing after it
         token = uuid.uuid4().hex
-        report.write_atomic(os.path.join(out_dir, RUN_TOKEN), token)
+        atomic_write(os.path.join(out_dir, RUN_TOKEN), token)
         done = sink.store.done_indices()
         DataContext.get_current().enable_progress_bars = False   # Ray's bars count blocks; ours count rows
         lo, hi = ex.replica_range
@@ -141,7 +142,7 @@ class RayJobRunner(JobRunner):
                     break
         finally:
             if self.stop_reason:   # batches still running commit nothing: their rows run on the next submit
-                report.write_atomic(os.path.join(out_dir, RUN_TOKEN), "stopped")
+                atomic_write(os.path.join(out_dir, RUN_TOKEN), "stopped")
             progress.close()
         # the shards are the record: a batch may commit before its figures reach the driver
         committed = len(sink.store.done_indices()) - len(done)

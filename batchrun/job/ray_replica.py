@@ -24,7 +24,7 @@ import pyarrow as pa
 
 from batchrun.job.prompts import PromptEncoder
 from batchrun.job.records import RecordMaker
-from batchrun.job.sink import ShardStore, _write_file
+from batchrun.job.sink import ShardStore, write_shard
 from batchrun.job.source import records, row_from_record
 from batchrun.job.spec import JobSpec
 
@@ -121,7 +121,7 @@ class ReplicaEngine:
     def _commit(self, indices: list[int], results: list[dict]) -> None:
         if read_token(self.out_dir) != self.run_token:
             raise StaleRun(f"{self.out_dir}: the job was submitted again; this replica's run no longer commits")
-        _write_file(self.store.dir, shard_name(self.run_number, indices),
+        write_shard(self.store.dir, shard_name(self.run_number, indices),
                    pa.Table.from_pylist(results, schema=self.schema))
 
     def _figures(self, rows: int, failed: int, tokens: int, batch_s: float) -> dict:

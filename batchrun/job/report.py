@@ -9,19 +9,13 @@ import time
 import pyarrow.compute as pc
 from prometheus_client import CollectorRegistry, Gauge, write_to_textfile
 
+from batchrun.job.atomic import atomic_write
 from batchrun.job.sink import ShardStore
 
 log = logging.getLogger("batchrun.job")
 ETA_STATE = "eta_state.json"
 ESTIMATE_FIELDS = ("eta_seconds", "predicted_finish", "predicted_finish_timestamp", "expected_output_tokens_left",
                    "deadline", "on_track", "output_tokens_per_s")
-
-
-def write_atomic(path: str, text: str) -> None:
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def read_state(out_dir: str) -> dict | None:
@@ -62,7 +56,7 @@ def read_json(out_dir: str, name: str) -> dict | None:
 
 def write_eta_state(out_dir: str, state: dict) -> None:
     try:
-        write_atomic(os.path.join(out_dir, ETA_STATE), json.dumps(state) + "\n")
+        atomic_write(os.path.join(out_dir, ETA_STATE), json.dumps(state) + "\n")
     except OSError as exc:
         log.error("cannot write %s in %s (%s)", ETA_STATE, out_dir, exc.strerror or exc)
 
@@ -71,7 +65,7 @@ def write_summary(out_dir: str, name: str, run: dict) -> dict:
     """summary.json (totals over all runs plus this run's speed and KV figures) and metrics.prom."""
     summary = {"job": name, **counts(out_dir), **run, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     try:
-        write_atomic(os.path.join(out_dir, "summary.json"), json.dumps(summary, indent=2) + "\n")
+        atomic_write(os.path.join(out_dir, "summary.json"), json.dumps(summary, indent=2) + "\n")
         write_metrics(os.path.join(out_dir, "metrics.prom"), summary)
     except OSError as exc:   # disk full or read-only: the results are safe in their shards; say so and go on
         log.error("cannot write summary.json / metrics.prom in %s (%s)", out_dir, exc.strerror or exc)

@@ -17,6 +17,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
+from batchrun.job.atomic import atomic_write, fsync_dir
 from batchrun.job.errors import EXIT_LOCKED, JobError
 
 # part-NNNNNN.parquet from a local run; part-NNNNNN-<digest>.parquet from a Ray run (NNNNNN: that run's number, the
@@ -30,14 +31,6 @@ def result_schema(id_type: pa.DataType, passthrough: list[pa.Field]) -> pa.Schem
                       ("prompt_tokens", pa.int32()), ("completion_tokens", pa.int32()), ("status", pa.string()),
                       ("error", pa.string()), ("latency", pa.float64()), ("time_to_first_token", pa.float64()),
                       ("cached_tokens", pa.int32()), ("row_index", pa.int64()), *passthrough])
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class ShardStore:
@@ -80,15 +73,9 @@ class ShardStore:
         return set() if table is None else set(table.column(0).to_pylist())
 
 
-def _write_file(directory: str, name: str, table: pa.Table) -> None:
-    """Written to a hidden temporary name, fsynced, renamed: a reader never sees a partial file."""
-    tmp = os.path.join(directory, f".{name}.tmp")
-    with open(tmp, "wb") as f:
-        pq.write_table(table, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(directory, name))
-    _fsync_dir(directory)
+def write_shard(directory: str, name: str, table: pa.Table) -> None:
+    """A shard appears whole under its name or not at all (atomic_write)."""
+    atomic_write(os.path.join(directory, name), lambda f: pq.write_table(table, f))
 
 
 class ResultSink:
@@ -112,7 +99,7 @@ class ResultSink:
         self.last_flush = time.monotonic()
         if not self.pending:
             return
-        _write_file(self.store.dir, f"part-{self.seq:06d}.parquet",
+        write_shard(self.store.dir, f"part-{self.seq:06d}.parquet",
                     pa.Table.from_pylist(self.pending, schema=self.schema))
         self.seq += 1
         self.rows_written += len(self.pending)
@@ -132,10 +119,10 @@ class ResultSink:
             in_slice = (pc.field("row_index") >= start) & (pc.field("row_index") < start + MERGE_ROWS)
             rows = dataset.to_table(filter=in_slice)
             if rows.num_rows:
-                _write_file(self.store.staging, f"sorted-{number:06d}.parquet", rows.sort_by("row_index"))
+                write_shard(self.store.staging, f"sorted-{number:06d}.parquet", rows.sort_by("row_index"))
         os.replace(self.store.dir, self.store.old)
         os.replace(self.store.staging, self.store.dir)
-        _fsync_dir(self.store.out_dir)
+        fsync_dir(self.store.out_dir)
         shutil.rmtree(self.store.old)
 
 
