@@ -179,7 +179,7 @@ class EtaEstimator:
         fitted = self._fit()
         if fitted is None:
             return
-        start = time.perf_counter()
+        start = self.clock()   # the estimator's own clock: a test's synthetic clock makes this cost 0, not the CPU's
         try:
             eta = self._simulate(*fitted, scheduler.running, scheduler.waiting, queued)
         except RuntimeError as exc:   # e.g. a simulated request the pool cannot hold: the estimate is advisory
@@ -191,7 +191,7 @@ class EtaEstimator:
         # often while the fit is young (a quarter of the run so far), then every min_interval_s, and never so often
         # that simulating costs more than SIM_COST_SHARE of the job
         ran = now - self._run_start if self._run_start is not None else 0.0
-        cost = time.perf_counter() - start
+        cost = self.clock() - start
         self._next_simulation = now + max(min(self.min_interval_s, 0.25 * ran), cost / SIM_COST_SHARE)
         if eta is None:   # the work left runs steps of a size the record cannot price yet
             return
