@@ -16,6 +16,10 @@ Sections, in this order:
 `--dry-run` runs every section on the CPU at toy sizes (the kernels under TRITON_INTERPRET): it checks the code
 path; its figures are not measurements.
 """
-from batchrun.gpucheck.cli import main
 
-__all__ = ["main"]
+
+def main(argv: list[str] | None = None) -> dict:
+    """Runs the check (batchrun.gpucheck.cli); imported on call, so `python -m batchrun.gpucheck.models` and
+    `.summary` load only what they need."""
+    from batchrun.gpucheck.cli import main as run
+    return run(argv)
