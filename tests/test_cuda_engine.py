@@ -1,5 +1,5 @@
 """The engine on CUDA (Triton backend, float32) against the CPU (torch backend, float32) on the tiny sharp model:
-the same greedy tokens and logprobs. Its choices win by >= 1e-3 in the logits (test_gpucheck_models.py), so a
+the same greedy tokens and logprobs. Its choices win by >= 5e-4 in the logits (test_gpucheck_models.py), so a
 different token is a bug in the CUDA path, not a tie broken by rounding."""
 import pytest
 import torch
@@ -29,8 +29,7 @@ def generate(path: str, device: str, prompts: list[list[int]]) -> list:
 
 
 def test_cuda_float32_matches_cpu_float32(sharp):
-    prompts = identity.sharp_prompts(16)
-    prompts.append(prompts[3][:32] + prompts[5])   # two cached blocks: a chunk after a prefix-cache hit
+    prompts = identity.sharp_prompts(16)   # their margins are measured (a prefix-cache hit on CUDA: test_triton_backend)
     cpu, cuda = generate(sharp, "cpu", prompts), generate(sharp, "cuda", prompts)
     assert [o.token_ids for o in cuda] == [o.token_ids for o in cpu]
     assert all(len(o.token_ids) == TOKENS for o in cuda)

@@ -38,8 +38,8 @@ def test_build_reuses_a_finished_folder_only(tmp_path):
 
 
 def test_tiny_sharp_model_wins_its_greedy_choices_by_clear_margins(tmp_path):
-    """On the identity prompts, over 64 tokens, the top logit leads the second by >= 1e-3: float32 on two devices
-    (rounding near 1e-6 of logits of size 10) cannot flip a choice, so a different token is a bug."""
+    """On the identity prompts, over 64 tokens, the top logit leads the second by >= 5e-4 (measured 1.1e-3): float32
+    on two devices (rounding near 1e-6 of logits of size 10) cannot flip a choice, so a different token is a bug."""
     model = AutoModelForCausalLM.from_pretrained(models.build("tiny-sharp", tmp_path), dtype=torch.float32).eval()
     prompts = identity.sharp_prompts(32)
     width = max(map(len, prompts))
@@ -48,4 +48,4 @@ def test_tiny_sharp_model_wins_its_greedy_choices_by_clear_margins(tmp_path):
     out = model.generate(ids, attention_mask=mask, max_new_tokens=64, do_sample=False, output_scores=True,
                          return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
     top = torch.stack(out.scores, 1).topk(2, dim=-1).values
-    assert (top[..., 0] - top[..., 1]).min().item() >= 1e-3
+    assert (top[..., 0] - top[..., 1]).min().item() >= 5e-4
