@@ -9,8 +9,10 @@
 #   gpucheck python -m batchrun.gpucheck: the figures, in $OUT/gpu.json (rewritten after each section)
 #   engine   the engine and job tests on CUDA
 # Everything lands in $OUT (7 files: a log per phase, gpu.json, summary.txt). The whole stops itself after
-# GPU_CHECK_BUDGET_S seconds (default 480), well inside a 10-minute call. GPU_CHECK_DRY=1 (a machine without CUDA,
-# to try the script) builds toy models and runs gpucheck --dry-run; the CUDA tests skip there.
+# GPU_CHECK_BUDGET_S seconds (default 480), well inside a 10-minute call. A rerun in the same lease can take a part:
+# GPU_CHECK_PHASES="env models gpucheck" (default: all five) and GPU_CHECK_SECTIONS=throughput,peer (gpucheck's
+# --sections). GPU_CHECK_DRY=1 (a machine without CUDA, to try the script) builds toy models and runs gpucheck
+# --dry-run; the CUDA tests skip there.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check-out}
@@ -26,10 +28,15 @@ PY=python3
 DRY=()
 [ "${GPU_CHECK_DRY:-0}" = 1 ] && DRY=(--dry-run)
 
+PHASES_WANTED=" ${GPU_CHECK_PHASES:-env models kernels gpucheck engine} "
+SECTIONS=()
+[ -n "${GPU_CHECK_SECTIONS:-}" ] && SECTIONS=(--sections "$GPU_CHECK_SECTIONS")
+
 # phase NAME LIMIT_S COMMAND...: runs it under min(LIMIT, what the budget leaves), its output in $OUT/NAME.log
 phase() {
   local name=$1 limit=$2 left t start rc
   shift 2
+  [[ "$PHASES_WANTED" == *" $name "* ]] || return 0
   left=$((BUDGET - SECONDS - 5))
   t=$((limit < left ? limit : left))
   if [ "$t" -lt 15 ]; then
@@ -80,8 +87,8 @@ phase models 90 $PY -m batchrun.gpucheck.models --out "$WORK/models" ${DRY[@]+--
 # shellcheck disable=SC2046
 phase kernels 120 $PY -m pytest -q -p no:cacheprovider -m "not slow" -rfE --durations=10 $(tests_of kernels)
 left=$((BUDGET - SECONDS - 100))   # the engine tests keep about 90 s
-phase gpucheck $((left > 260 ? 260 : left)) $PY -m batchrun.gpucheck "${DRY[@]}" --models "$WORK/models" \
-  --json "$OUT/gpu.json" --deadline-s $((left > 260 ? 200 : left - 60))
+phase gpucheck $((left > 260 ? 260 : left)) $PY -m batchrun.gpucheck "${DRY[@]}" "${SECTIONS[@]}" \
+  --models "$WORK/models" --json "$OUT/gpu.json" --deadline-s $((left > 260 ? 200 : left - 60))
 # shellcheck disable=SC2046
 phase engine 120 $PY -m pytest -q -p no:cacheprovider -m "not slow" -rfE --durations=10 $(tests_of engine)
 
