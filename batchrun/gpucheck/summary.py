@@ -37,7 +37,7 @@ def _throughput(t: dict, label: str) -> list[str]:
         split = r["step_split"]
         lines.append(f"  {r['kv_cache_dtype']}: {r['output_tok_s']} tok/s{ratios}; {pool}; split forward "
                      f"{split['forward']:.0%} sampler {split['sampler']:.0%} scheduler {split['scheduler']:.0%} "
-                     f"rest {split['rest']:.0%}; preemptions {r['preemptions']}")
+                     f"rest {max(split['rest'], 0):.0%}; preemptions {r['preemptions']}")
     return lines
 
 
