@@ -13,6 +13,9 @@ from batchrun.kernels import cpu_attention, reference  # noqa: E402
 
 BLOCK = 4
 HEADS, KV_HEADS, DIM = 4, 2, 16
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"   # the Triton kernels' (the interpreter's on CPU)
+# (window, soft-cap) of the Triton kernels' tests; tests/test_cuda_kernels.py crosses them with the KV dtypes
+TRITON_WINDOW_SOFTCAP = [(5, None), (16, 2.0), (None, 2.0)]
 
 
 def paged(lens, seed=0):
@@ -78,7 +81,7 @@ def test_cpu_kernel_window_and_softcap(window, softcap):
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("window,softcap", [(5, None), (16, 2.0), (None, 2.0)])
+@pytest.mark.parametrize("window,softcap", TRITON_WINDOW_SOFTCAP)
 def test_triton_kernels_window_and_softcap(window, softcap):
     pytest.importorskip("triton")
     from batchrun.kernels import paged_attention
@@ -87,19 +90,21 @@ def test_triton_kernels_window_and_softcap(window, softcap):
     context_lens = torch.tensor(lens)
     q = torch.randn(len(lens), HEADS, DIM)
     want = reference.paged_decode_attention(q, k, v, tables, context_lens, 0.3, window=window, softcap=softcap)
+    on = [t.to(DEVICE) for t in (k, v, tables, context_lens)]
     for splits in (1, 2):   # with 2 splits, the first is wholly outside the window for the longer requests
-        got = paged_attention.paged_decode_attention(q, k, v, tables, context_lens, 0.3, num_splits=splits,
+        got = paged_attention.paged_decode_attention(q.to(DEVICE), *on, 0.3, num_splits=splits,
                                                      window=window, softcap=softcap, block_n=16)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
     # prefill: chunks (query rows, context) of a whole prompt, one after a cached prefix, one decode row
     chunks = [(13, 13), (9, 21), (1, 40)]
     rows = sum(c[0] for c in chunks)
     q = torch.randn(rows, HEADS, DIM)
     starts = torch.tensor([0] + [c[0] for c in chunks]).cumsum(0).to(torch.int32)
     prefill_tables = tables[1:]
-    got = paged_attention.paged_prefill_attention(q, k, v, prefill_tables, starts,
-                                                  torch.tensor([c[1] for c in chunks], dtype=torch.int32), 0.3,
-                                                  window=window, softcap=softcap, block_m=16, block_n=16)
+    got = paged_attention.paged_prefill_attention(
+        q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), prefill_tables.to(DEVICE), starts.to(DEVICE),
+        torch.tensor([c[1] for c in chunks], dtype=torch.int32, device=DEVICE), 0.3, window=window, softcap=softcap,
+        block_m=16, block_n=16).cpu()
     want = torch.cat([reference.paged_prefill_attention(q[starts[r]:starts[r + 1]], k, v, prefill_tables[r], ctx,
                                                         0.3, window=window, softcap=softcap)
                       for r, (_, ctx) in enumerate(chunks)])

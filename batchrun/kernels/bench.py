@@ -7,7 +7,7 @@
 3. end to end: the engine on SmolLM2 vs transformers `generate` with static batches (output tokens/s, ratio).
 
     python -m batchrun.kernels.bench [--json out.json] [--skip-e2e]
-    python -m batchrun.kernels.bench --dry-run    # no CUDA needed: small shapes under TRITON_INTERPRET, no timing
+    python -m batchrun.kernels.bench --dry-run    # small shapes, no timing; without CUDA under TRITON_INTERPRET
 
 Goals (issue 5, H200): >= 70% of copy bandwidth for all three dtypes; int8 and fp8 >= 1.6x faster than float16.
 """
@@ -221,7 +221,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.dry_run:
         if not torch.cuda.is_available():
             os.environ["TRITON_INTERPRET"] = "1"   # before the kernels are first imported (and decorated)
-        device, shape, timer, configs = torch.device("cpu"), DRY_RUN_SHAPE, wall_ms, DECODE_CONFIGS[:2]
+        # on a CUDA machine the interpreter is off: the small shapes run there
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        shape, timer, configs = DRY_RUN_SHAPE, wall_ms, DECODE_CONFIGS[:2]
         ceiling = copy_bandwidth(device, 64 << 20, timer)
         model = None if args.skip_e2e else args.model
     else:
@@ -233,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
         model = None if args.skip_e2e else args.model or "smollm2-135m"
     rows = [bench_decode(shape, name, device, ceiling, timer, configs) for name in KV_NAMES]
     if args.dry_run:
-        print("DRY RUN: interpreter wall-clock times on CPU, not measurements")
+        print(f"DRY RUN: small shapes on {device.type}, wall-clock times (the interpreter's on CPU), not measurements")
     print_decode_table(shape, rows, ceiling)
     result = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run)",
                   shape=asdict(shape), copy_gbps=ceiling / 1e9, decode=rows, e2e=[])
