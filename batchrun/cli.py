@@ -233,7 +233,8 @@ def kvcheck(job, overrides, sample, kv_dtype) -> None:
 @click.option("--gpu", "gpus", multiple=True, help="GPU type from the catalog (repeatable; default: all), e.g. H100.")
 @click.option("--kv-dtype", "kv_dtypes", multiple=True, help="KV dtype to compare (repeatable; default: float16, "
               "int8, fp8).")
-@click.option("--deadline", help="Finish within this time: 6h, 90m, 1h30m, 2d, or a date-time 2030-01-31T06:00.")
+@click.option("--deadline", help="Finish within this time: 6h, 90m, 1h30m, 2d, a clock time 07:00 or a date-time "
+              "2030-01-31T06:00 (default: the job file's deadline:).")
 @click.option("--price", "prices", multiple=True, metavar="GPU=USD", help="$/GPU-hour override (repeatable).")
 @click.option("--catalog", type=click.Path(dir_okay=False), help="YAML file adding or overriding GPU entries.")
 @click.option("--model-config", help="Size for this model (directory, hub id or config.json) instead of the "
@@ -261,14 +262,13 @@ def plan(job, overrides, gpus, kv_dtypes, deadline, prices, catalog, model_confi
          tpot_p95, headroom, plot_path, as_json) -> None:
     from batchrun.job import JobError
     from batchrun.job.spec import JobSpec
-    from batchrun.planner import api as planner_api, catalog as cat, mixed
+    from batchrun.planner import api as planner_api, mixed
+    from batchrun.stepmodel import catalog as cat
     from batchrun.planner.plan import format_table
     try:
         traffic = None if interactive_rate is None else mixed.Traffic(
             interactive_rate, interactive_prompt_tokens, interactive_output_tokens,
             mixed.parse_latency(ttft_p95, "--ttft-p95"), mixed.parse_latency(tpot_p95, "--tpot-p95"), headroom)
-        if traffic and not deadline:
-            raise ValueError("--deadline: mixed-SLA planning (--interactive-rate) needs the batch job's deadline")
         if plot_path and calibrate:
             raise ValueError("--plot: draws a plan; it does not apply to --calibrate")
         if plot_path:
@@ -278,6 +278,9 @@ def plan(job, overrides, gpus, kv_dtypes, deadline, prices, catalog, model_confi
         chosen = cat.select(cat.load_catalog(catalog), list(gpus), cat.parse_prices(prices))
         the_planner = planner_api.make_planner(spec, None if calibrate else deadline, model_config, utilization,
                                                max_num_seqs)
+        if traffic and the_planner.deadline is None:
+            raise ValueError("--deadline: mixed-SLA planning (--interactive-rate) needs the batch job's deadline "
+                             "(--deadline, or deadline: in the job file)")
         if calibrate:
             from batchrun.planner.calibrate import calibrate as run_calibration
             report = run_calibration(spec, the_planner.work, pilot_fraction)

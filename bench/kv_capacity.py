@@ -23,8 +23,8 @@ from batchrun.engine import kv_cache, loader
 from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.request import Request
 from batchrun.engine.scheduler import Scheduler
-from batchrun.planner.simulate import fake_forward
 from batchrun.sampling_params import SamplingParams
+from batchrun.stepmodel.simulate import fake_forward
 
 DTYPES = ("float32", "float16", "int8", "fp8")
 TOKEN_TARGET = 1.85        # int8/fp8 tokens vs float16

@@ -24,9 +24,9 @@ import time
 from batchrun.job import Job
 from batchrun.job.spec import JobSpec
 from batchrun.planner.calibrate import run_calibration
-from batchrun.planner.costmodel import fit_linear
-from batchrun.planner.simulate import simulate, step_shape, timeline
 from batchrun.planner.workload import load_workload, read_model_config
+from batchrun.stepmodel.costmodel import fit_linear
+from batchrun.stepmodel.simulate import simulate, step_shape, timeline
 
 
 @contextlib.contextmanager

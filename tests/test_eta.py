@@ -9,14 +9,14 @@ import pytest
 import yaml
 
 import batchrun.job.progress as progress_module
+from batchrun.deadline import parse_deadline
 from batchrun.engine.request import Request
 from batchrun.job import Job, JobError, JobSpec
 from batchrun.job.bucketing import RowFeed
-from batchrun.job.eta import (MIN_SMALL_STEPS, MIN_STEPS, EtaEstimator, OutputLengths, deadline_verdict,
-                              parse_deadline)
-from batchrun.planner.costmodel import ContextPrior
-from batchrun.planner.simulate import WorkItem, admission_keys, make_scheduler
+from batchrun.job.eta import MIN_SMALL_STEPS, MIN_STEPS, EtaEstimator, OutputLengths, deadline_verdict
 from batchrun.sampling_params import SamplingParams
+from batchrun.stepmodel.costmodel import ContextPrior
+from batchrun.stepmodel.simulate import WorkItem, admission_keys, make_scheduler
 from jobkit import write_job, write_prompts
 
 POOL = dict(num_blocks=400, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, prefix_caching=False)
@@ -257,7 +257,7 @@ def test_deadline_values():
     assert JobSpec({**raw, "deadline": unquoted}).deadline_at == datetime(2030, 2, 2, 6, 0)
 
 
-@pytest.mark.parametrize("value, message", [("tomorrow", "cannot read 'tomorrow' as a time"),
+@pytest.mark.parametrize("value, message", [("tomorrow", "cannot read 'tomorrow' as a deadline"),
                                             (420, 'write the time in quotes, e.g. deadline: "07:00"'),
                                             ([7], "deadline")])
 def test_a_bad_deadline_is_an_error_naming_the_field(value, message):

@@ -190,7 +190,7 @@ def test_large_block_count_uses_64bit_offsets():
 
 
 def test_bench_byte_counts():
-    from batchrun.kernels import bench
+    from batchrun.gpucheck import kernel_bench as bench
     shape = bench.DecodeShape()   # the issue's: batch 64, context 4096, head_dim 128, 8 KV heads
     assert bench.kv_bytes_read(shape, "float16") == 2 * 64 * 4096 * 8 * 128 * 2 == 2 ** 30
     assert bench.kv_bytes_read(shape, "int8") == bench.kv_bytes_read(shape, "fp8") == 2 * 64 * 4096 * 8 * (128 + 4)
@@ -198,13 +198,13 @@ def test_bench_byte_counts():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
 def test_bench_refuses_without_cuda():
-    from batchrun.kernels import bench
+    from batchrun.gpucheck import kernel_bench as bench
     with pytest.raises(SystemExit, match="needs|CUDA"):
         bench.main([])
 
 
 def test_bench_dry_run(tmp_path, capsys):
-    from batchrun.kernels import bench
+    from batchrun.gpucheck import kernel_bench as bench
     result = bench.main(["--dry-run", "--skip-e2e", "--json", str(tmp_path / "out.json")])
     assert [r["kv_dtype"] for r in result["decode"]] == list(bench.KV_NAMES)
     for r in result["decode"]:
@@ -215,7 +215,7 @@ def test_bench_dry_run(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_bench_dry_run_end_to_end(tiny_model):
-    from batchrun.kernels import bench
+    from batchrun.gpucheck import kernel_bench as bench
     result = bench.main(["--dry-run", "--model", tiny_model[0], "--kv-cache-memory", "4MiB", "--e2e-prompts", "2",
                          "--e2e-max-tokens", "2", "--hf-batch-size", "2"])
     assert [r["engine_tokens"] for r in result["e2e"]] == [4, 4] and [r["hf_tokens"] for r in result["e2e"]] == [4, 4]

@@ -2,19 +2,23 @@
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+from batchrun.deadline import parse_deadline, seconds_until
 from batchrun.engine import kv_cache
 from batchrun.job.spec import JobSpec
-from batchrun.planner import catalog, plan as planner
+from batchrun.planner import plan as planner
+from batchrun.planner.api import deadline_seconds
 from batchrun.planner.calibrate import calibrate, run_calibration
-from batchrun.planner.costmodel import ContextPrior, ModelSpec, RooflineModel, StepShape, fit_linear
-from batchrun.planner.simulate import WorkItem, simulate, timeline
 from batchrun.planner.workload import Workload, load_workload, read_model_config
+from batchrun.stepmodel import catalog
+from batchrun.stepmodel.costmodel import ContextPrior, ModelSpec, RooflineModel, StepShape, fit_linear
+from batchrun.stepmodel.simulate import WorkItem, simulate, timeline
 from jobkit import cli, write_job, write_prompts
 
 LLAMA3_8B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=32,
@@ -129,13 +133,27 @@ def test_types_that_do_not_fit_are_reported_per_type():
     assert "does not fit" in planner.format_table(report)
 
 
-def test_deadline_parsing():
-    assert planner.parse_deadline("6h") == 6 * 3600
-    assert planner.parse_deadline("1h30m") == 5400
-    assert planner.parse_deadline("2030-01-01T00:00", now=0) > 0
-    for bad, msg in (("soon", "cannot parse"), ("2001-01-01T00:00", "in the past"), ("0h", "positive")):
-        with pytest.raises(ValueError, match=f"--deadline: .*{msg}"):
-            planner.parse_deadline(bad)
+def test_one_deadline_grammar_for_the_job_file_and_the_planner():
+    now = datetime(2030, 1, 31, 22, 0)
+    assert seconds_until("6h", now) == 6 * 3600 and seconds_until("1h30m", now) == 5400
+    assert seconds_until("07:00", now) == 9 * 3600                            # the next 07:00
+    assert seconds_until("2030-02-01T06:00", now) == 8 * 3600
+    assert parse_deadline("90m", now) == datetime(2030, 1, 31, 23, 30)
+    for bad, msg in (("soon", "cannot read 'soon' as a deadline"), ("2001-01-01T00:00", "in the past"),
+                     ("0h", "positive")):
+        with pytest.raises(ValueError, match=msg):
+            seconds_until(bad, now)
+
+
+def test_plan_uses_the_job_files_deadline_unless_given(tmp_path, tiny_model):
+    write_prompts(tmp_path / "in.parquet", 4)
+    job = write_job(tmp_path, tiny_model[0], deadline="2h")
+    spec = JobSpec.from_yaml(job)
+    assert abs(deadline_seconds(spec, None) - 7200) < 60 and deadline_seconds(spec, "30m") == pytest.approx(1800, 1)
+    assert deadline_seconds(JobSpec.from_yaml(write_job(tmp_path, tiny_model[0], name="free")), None) is None
+    with pytest.raises(ValueError, match=r"deadline \(line \d+\): '2001-01-01T00:00' is in the past"):
+        deadline_seconds(JobSpec.from_yaml(write_job(tmp_path, tiny_model[0], name="old",
+                                                     deadline="2001-01-01T00:00")), None)
 
 
 def test_fit_recovers_a_linear_step_time_and_reports_held_out_error():

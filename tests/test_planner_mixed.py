@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from batchrun.engine.scheduler import Scheduler
-from batchrun.planner import catalog, mixed, plan as planner
-from batchrun.planner.costmodel import ModelSpec
+from batchrun.planner import mixed, plan as planner
+from batchrun.stepmodel import catalog
+from batchrun.stepmodel.costmodel import ModelSpec
 from jobkit import cli, write_job, write_prompts
 from test_planner import LLAMA3_8B, work
 

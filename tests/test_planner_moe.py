@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from batchrun.planner.catalog import load_catalog
-from batchrun.planner.costmodel import ModelSpec, RooflineModel, StepShape
+from batchrun.stepmodel.catalog import load_catalog
+from batchrun.stepmodel.costmodel import ModelSpec, RooflineModel, StepShape
 from conftest import tiny_config
 
 

@@ -4,8 +4,8 @@ from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.request import Request, RequestStatus
 from batchrun.engine.scheduler import Lane, Scheduler, WaitingQueue
 from batchrun.engine.stop import StopRule
-from batchrun.planner.simulate import fake_forward
 from batchrun.sampling_params import SamplingParams
+from batchrun.stepmodel.simulate import fake_forward
 
 
 def request(name, prompt_len, max_tokens=1, lane="batch", **params):

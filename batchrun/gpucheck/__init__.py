@@ -3,7 +3,7 @@ runs it with the CUDA tests on a lent machine). Models are built from configs wi
 
 Sections, in this order:
 - kernels: decode attention per KV dtype (float16, int8, fp8) against the copy ceiling and 4.3 TB/s
-  (batchrun.kernels.bench);
+  (batchrun.gpucheck.kernel_bench);
 - identity: the tiny sharp model on the device in float32 with float32, float16, int8 and fp8 KV against a CPU
   float32 run: identical greedy tokens, logprob differences;
 - throughput: Llama 3.2 1B's shape, 256 concurrent requests of ~1k-token prompts, per KV dtype: output tok/s, the

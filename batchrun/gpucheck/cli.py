@@ -40,7 +40,7 @@ DRY = Sizes(requests=6, prompt_tokens=40, max_tokens=4, max_num_batched_tokens=6
 
 
 def _kernels(dry_run: bool) -> dict:
-    from batchrun.kernels import bench
+    from batchrun.gpucheck import kernel_bench as bench
     return bench.main(["--skip-e2e", *(["--dry-run"] if dry_run else [])])
 
 

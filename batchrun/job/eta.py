@@ -18,13 +18,13 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 
 import numpy as np
 
 from batchrun.admission_order import PILOT_MIN_ROWS, length_class
-from batchrun.planner.costmodel import ContextPrior, LinearModel, ModelSpec, StepShape, fit_linear
-from batchrun.planner.simulate import WorkItem, simulate, timeline
+from batchrun.stepmodel.costmodel import ContextPrior, LinearModel, ModelSpec, StepShape, fit_linear
+from batchrun.stepmodel.simulate import WorkItem, simulate, timeline
 
 log = logging.getLogger("batchrun.job")
 WARMUP_STEPS = 2          # a run's first steps pay one-off costs (allocation, compilation): not fitted
@@ -270,22 +270,6 @@ def context_prior(engine) -> ContextPrior:
     of a batch reads most of them)."""
     weights = ModelSpec.from_config(engine.hf_config).num_params * engine.dtype.itemsize
     return ContextPrior.from_bytes(engine.kv_bytes_per_token, weights)
-
-
-def parse_deadline(value, now: datetime | None = None) -> datetime:
-    """'07:00' (the next 07:00 from now, local time) or an ISO date-time -> a local datetime."""
-    now = now or datetime.now()
-    text = str(value).strip()
-    try:
-        if len(text) <= 8 and ":" in text:
-            clock = datetime.strptime(text, "%H:%M:%S" if text.count(":") == 2 else "%H:%M").time()
-            at = datetime.combine(now.date(), clock)
-            return at if at > now else at + timedelta(days=1)
-        at = datetime.fromisoformat(text)
-    except ValueError:
-        raise ValueError(f"cannot read {text!r} as a time; give a clock time such as \"07:00\" (the next one) or a "
-                         f"date-time such as \"2030-01-31T06:00\"") from None
-    return at.astimezone().replace(tzinfo=None) if at.tzinfo else at
 
 
 def clock_text(at: datetime, now: datetime) -> str:

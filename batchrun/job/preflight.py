@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from batchrun.config import EngineConfig
 from batchrun.job.spec import JobSpec
-from batchrun.planner.costmodel import ModelSpec
+from batchrun.stepmodel.costmodel import ModelSpec
 
 
 @dataclass

@@ -5,14 +5,16 @@ import hashlib
 import json
 import os
 import shutil
+from typing import Iterator
 
+from batchrun.job.atomic import atomic_write
 from batchrun.job.errors import JobError
 from batchrun.job.openai_batch import OpenAIBatchSource
-from batchrun.job.atomic import atomic_write
-from batchrun.job.report import read_state
 from batchrun.job.preflight import model_fingerprint
+from batchrun.job.prompts import PromptEncoder
+from batchrun.job.report import read_state
 from batchrun.job.sink import ShardStore
-from batchrun.job.source import ParquetSource, fingerprint
+from batchrun.job.source import ParquetSource, Row, fingerprint
 from batchrun.job.spec import IDENTITY, JobSpec
 
 OUTPUT_FILES = ("data", "job.json", "summary.json", "metrics.prom", "job.log", "output.jsonl", "eta_state.json")
@@ -22,6 +24,16 @@ def open_source(spec: JobSpec) -> ParquetSource | OpenAIBatchSource:
     if spec.input.format == "openai_batch":
         return OpenAIBatchSource(spec)
     return ParquetSource(spec)
+
+
+def encoded_rows(spec: JobSpec, tokenizer, context: int, source=None) -> Iterator[Row]:
+    """Every input row as the runner would admit it, in input order: its token ids and SamplingParams, or the error
+    that fails it before generation. No model is loaded (what `validate` and the planner read of a job)."""
+    source = source or open_source(spec)
+    encoder = PromptEncoder(spec.input, tokenizer, context)
+    for batch in source.batches():
+        encoder.prepare(batch)
+        yield from batch
 
 
 def count_rows(spec: JobSpec, source) -> int:

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from batchrun.config import EngineConfig
 from batchrun.job.errors import JobError
-from batchrun.job.eta import parse_deadline
+from batchrun.deadline import parse_deadline
 from batchrun.job.sections import (BatchingSection, EngineSection, ExecutorSection, InputSection, JobModel,
                                    KVQualityGateSection, OutputSection, SamplingSection, Section)
 from batchrun.sampling_params import SamplingParams

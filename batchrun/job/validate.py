@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 
 from batchrun.job import preflight, prepare
-from batchrun.job.prompts import PromptEncoder
 from batchrun.job.report import counts, read_state
 from batchrun.job.spec import JobSpec
 
@@ -30,16 +29,13 @@ def validate(spec: JobSpec) -> dict:
     out_dir = _writable(spec)
     facts = preflight.check_model(spec)
     context, kv_bytes = facts.context, facts.kv_bytes_per_token
-    encoder = PromptEncoder(spec.input, facts.tokenizer, context)
     lengths, totals, errors = [], [], []
-    for batch in source.batches():
-        encoder.prepare(batch)
-        for row in batch:
-            if row.error:
-                errors.append(f"row {row.index} (id {row.id!r}): {row.error}")
-            else:
-                lengths.append(len(row.token_ids))
-                totals.append(len(row.token_ids) + row.params.max_tokens)
+    for row in prepare.encoded_rows(spec, facts.tokenizer, context, source):
+        if row.error:
+            errors.append(f"row {row.index} (id {row.id!r}): {row.error}")
+        else:
+            lengths.append(len(row.token_ids))
+            totals.append(len(row.token_ids) + row.params.max_tokens)
     lengths.sort()
     totals.sort()
     report = {"job": spec.path, "model": spec.model, "input_files": len(source.files), "rows": rows,

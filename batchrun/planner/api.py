@@ -1,8 +1,10 @@
 """`batchrun.plan(job)`: the capacity plan from Python (notebooks), the same as `batchrun plan JOB --json`."""
 from __future__ import annotations
 
+from batchrun.deadline import seconds_until
 from batchrun.job.spec import JobSpec
-from batchrun.planner import catalog as cat, plan as planner, workload
+from batchrun.planner import plan as planner, workload
+from batchrun.stepmodel import catalog as cat
 
 
 def make_planner(spec: JobSpec, deadline: str | None = None, model_config: str | None = None,
@@ -10,8 +12,17 @@ def make_planner(spec: JobSpec, deadline: str | None = None, model_config: str |
     model = workload.read_model_config(model_config or spec.model, spec.engine.trust_remote_code,
                                        "--model-config" if model_config else "model")
     work = workload.load_workload(spec, model, max_num_seqs)
-    seconds = planner.parse_deadline(deadline) if deadline else None
-    return planner.Planner(model, work, utilization, seconds)
+    return planner.Planner(model, work, utilization, deadline_seconds(spec, deadline))
+
+
+def deadline_seconds(spec: JobSpec, deadline: str | None) -> float | None:
+    """Seconds to the deadline: --deadline when given, else the job file's own `deadline:` (None: neither)."""
+    if deadline is None and spec.deadline_at is None:
+        return None
+    try:
+        return seconds_until(deadline if deadline is not None else spec.deadline_at)
+    except ValueError as exc:
+        raise ValueError(f"{'--deadline' if deadline is not None else spec.where('deadline')}: {exc}") from None
 
 
 def plan(job: str | JobSpec, gpus=(), kv_dtypes=(), deadline: str | None = None, prices: dict | None = None,
@@ -19,7 +30,7 @@ def plan(job: str | JobSpec, gpus=(), kv_dtypes=(), deadline: str | None = None,
          max_num_seqs: int | None = None, overrides=()) -> dict:
     """Per GPU type x KV dtype: KV capacity, predicted makespan, GPUs to meet the deadline, GPU-hours and cost, and
     a recommendation. job: a job file (or a JobSpec); gpus: catalog names (default all); kv_dtypes: default
-    float16, int8, fp8; deadline: '6h', '90m' or a date-time; prices: {gpu: USD per hour}. The report's "rows"
+    float16, int8, fp8; deadline: '6h', '90m', '07:00' or a date-time (default: the job's own); prices: {gpu: USD per hour}. The report's "rows"
     make a table: pandas.DataFrame(report["rows"])."""
     chosen = cat.select(cat.load_catalog(catalog), list(gpus), prices or {})
     spec = job if isinstance(job, JobSpec) else JobSpec.from_yaml(job, list(overrides))

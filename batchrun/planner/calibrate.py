@@ -6,9 +6,9 @@ import time
 from dataclasses import dataclass
 
 from batchrun.job.spec import JobSpec
-from batchrun.planner.costmodel import LinearModel, StepShape, fit_linear
-from batchrun.planner.simulate import WorkItem, simulate, step_shape, timeline
 from batchrun.planner.workload import Workload
+from batchrun.stepmodel.costmodel import LinearModel, StepShape, fit_linear
+from batchrun.stepmodel.simulate import WorkItem, simulate, step_shape, timeline
 
 WARMUP_STEPS = 2   # the first steps pay one-off costs (allocation, kernel selection): not fitted
 

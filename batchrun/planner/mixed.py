@@ -22,10 +22,10 @@ import numpy as np
 from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.request import Request
 from batchrun.engine.scheduler import Lane, Scheduler, WaitingQueue
-from batchrun.planner.catalog import GPU
-from batchrun.planner.costmodel import RooflineModel, StepShape
-from batchrun.planner.simulate import dummy_prompt, fake_forward, step_shape
 from batchrun.sampling_params import SamplingParams
+from batchrun.stepmodel.catalog import GPU
+from batchrun.stepmodel.costmodel import RooflineModel, StepShape
+from batchrun.stepmodel.simulate import dummy_prompt, fake_forward, step_shape
 
 LATENCY_KV_DTYPE = "float16"
 PACKED_KV_DTYPES = ("int8", "fp8")   # batch KV in the shared pool and the throughput pool

@@ -2,42 +2,19 @@
 from __future__ import annotations
 
 import math
-import re
-import time
-from datetime import datetime
 
 import torch
 
 from batchrun.engine import kv_cache
-from batchrun.planner.catalog import GPU
-from batchrun.planner.costmodel import ModelSpec, RooflineModel
 from batchrun.planner.mixed import LATENCY_KV_DTYPE, MixedPlanner, Traffic, recommend_mixed
-from batchrun.planner.simulate import Trace, make_requests, simulate, timeline
 from batchrun.planner.workload import Workload
+from batchrun.stepmodel.catalog import GPU
+from batchrun.stepmodel.costmodel import ModelSpec, RooflineModel
+from batchrun.stepmodel.simulate import Trace, make_requests, simulate, timeline
 
 KV_DTYPES = ("float16", "bfloat16", "int8", "fp8")
 DEFAULT_KV_DTYPES = ("float16", "int8", "fp8")
 MAX_GPUS = 4096
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-def parse_deadline(value: str, now: float | None = None) -> float:
-    """'6h', '90m', '1h30m', '2d' or a local date-time ('2030-01-31T06:00') -> seconds from now."""
-    text = str(value).strip().lower()
-    parts = re.findall(r"(\d+(?:\.\d+)?)\s*([smhd])", text)
-    if parts and re.fullmatch(r"(\s*\d+(?:\.\d+)?\s*[smhd])+\s*", text):
-        seconds = sum(float(n) * _UNITS[u] for n, u in parts)
-    else:
-        try:
-            seconds = datetime.fromisoformat(str(value).strip()).timestamp() - (now or time.time())
-        except ValueError:
-            raise ValueError(f"--deadline: cannot parse {value!r}; use a duration such as 6h, 90m, 1h30m, 2d "
-                             f"or a date-time such as 2030-01-31T06:00") from None
-        if seconds <= 0:
-            raise ValueError(f"--deadline: {value!r} is in the past; give a future date-time or a duration")
-    if seconds <= 0:
-        raise ValueError(f"--deadline: must be a positive duration, got {value!r}")
-    return seconds
 
 
 def kv_bytes_per_token(model: ModelSpec, dtype: str) -> int:

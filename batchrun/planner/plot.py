@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from batchrun.planner.simulate import timeline
+from batchrun.stepmodel.simulate import timeline
 
 
 def require_matplotlib() -> None:

@@ -6,12 +6,10 @@ import json
 import os
 from dataclasses import dataclass
 
-from batchrun.job import prepare
-from batchrun.job.errors import JobError
-from batchrun.job.prompts import PromptEncoder
+from batchrun.job.prepare import encoded_rows
 from batchrun.job.spec import JobSpec
-from batchrun.planner.costmodel import ModelSpec
-from batchrun.planner.simulate import WorkItem, admission_keys
+from batchrun.stepmodel.costmodel import ModelSpec
+from batchrun.stepmodel.simulate import WorkItem, admission_keys
 
 
 @dataclass
@@ -64,19 +62,15 @@ def load_workload(spec: JobSpec, model: ModelSpec, max_num_seqs: int | None = No
     if tokenizer is None:
         raise spec.fail(("model",), "has no tokenizer files: the planner needs them to measure prompt lengths")
     context = min(engine.max_model_len or model.max_context, model.max_context)
-    source = prepare.open_source(spec)
-    encoder = PromptEncoder(spec.input, tokenizer, context)
     items, failing = [], 0
-    for batch in source.batches():
-        encoder.prepare(batch)
-        for row in batch:
-            if row.error:
-                failing += 1
-                continue
-            out = min(row.params.max_tokens, context - len(row.token_ids))
-            items.append(WorkItem(tuple(row.token_ids) if keep_token_ids else len(row.token_ids), out))
+    for row in encoded_rows(spec, tokenizer, context):
+        if row.error:
+            failing += 1
+            continue
+        out = min(row.params.max_tokens, context - len(row.token_ids))
+        items.append(WorkItem(tuple(row.token_ids) if keep_token_ids else len(row.token_ids), out))
     if not items:
-        raise JobError(f"{spec.path}: input: no row would run (rows failing before generation: {failing})")
+        raise spec.fail(("input",), f"no row would run (rows failing before generation: {failing})")
     batching, settings = spec.batching, engine_settings(spec, max_num_seqs)
     keys = admission_keys(items, batching.bucketing, batching.window, batching.longest_first, batching.pilot)
     return Workload(items, keys, **settings, rows_failing=failing)

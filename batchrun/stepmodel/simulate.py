@@ -13,8 +13,8 @@ from batchrun.admission_order import window_order
 from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.request import Request, RequestStatus
 from batchrun.engine.scheduler import Scheduler, StepPlan
-from batchrun.planner.costmodel import StepShape
 from batchrun.sampling_params import SamplingParams
+from batchrun.stepmodel.costmodel import StepShape
 
 
 @dataclass(frozen=True)

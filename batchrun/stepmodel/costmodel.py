@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from batchrun.planner.catalog import GPU
+from batchrun.stepmodel.catalog import GPU
 
 WEIGHT_BYTES = 2   # fp16/bf16 weights on a GPU
 

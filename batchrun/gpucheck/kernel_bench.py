@@ -6,8 +6,8 @@
    fraction of the copy ceiling, the torch reference's time; checked against the reference first;
 3. end to end: the engine on SmolLM2 vs transformers `generate` with static batches (output tokens/s, ratio).
 
-    python -m batchrun.kernels.bench [--json out.json] [--skip-e2e]
-    python -m batchrun.kernels.bench --dry-run    # small shapes, no timing; without CUDA under TRITON_INTERPRET
+    python -m batchrun.gpucheck.kernel_bench [--json out.json] [--skip-e2e]
+    python -m batchrun.gpucheck.kernel_bench --dry-run    # small shapes, no timing; without CUDA under TRITON_INTERPRET
 
 Goals (issue 5, H200): >= 70% of copy bandwidth for all three dtypes; int8 and fp8 >= 1.6x faster than float16.
 """
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> dict:
         model = None if args.skip_e2e else args.model
     else:
         if not torch.cuda.is_available():
-            raise SystemExit("batchrun/kernels/bench.py measures on a CUDA GPU and none is visible here; "
+            raise SystemExit("batchrun/gpucheck/kernel_bench.py measures on a CUDA GPU and none is visible here; "
                              "run it on a GPU machine, or use --dry-run to check its shapes and byte counts")
         device, shape, timer, configs = torch.device("cuda"), DecodeShape(), cuda_median_ms, DECODE_CONFIGS
         ceiling = copy_bandwidth(device)
