@@ -65,7 +65,7 @@ def batchrun_decode_steps(llm, prompts: list[list[int]], steps: int):
         start = time.perf_counter()
         llm.step()
         elapsed = time.perf_counter() - start
-        if stats.scheduled_tokens == stats.scheduled_seqs == len(prompts):
+        if stats.shape.tokens == stats.shape.seqs == len(prompts):
             yield elapsed
 
 

@@ -26,27 +26,17 @@ from batchrun.job.spec import JobSpec
 from batchrun.planner.calibrate import run_calibration
 from batchrun.planner.workload import load_workload, read_model_config
 from batchrun.stepmodel.costmodel import fit_linear
-from batchrun.stepmodel.simulate import simulate, step_shape, timeline
+from batchrun.stepmodel.simulate import simulate, timeline
 
 
 @contextlib.contextmanager
 def record_steps(llm, shapes: list, times: list):
-    """The job runner's engine hook (as `submit --serve` uses it): record each step's shape and time."""
-    engine = llm.engine
-    schedule, step = engine.scheduler.schedule, engine.step
-
-    def recording_schedule():
-        plan = schedule()
-        shapes.append(step_shape(plan))
-        return plan
-
-    def recording_step():
-        outputs = step()
-        times.append(engine.stats.step_time)
-        return outputs
-
-    engine.scheduler.schedule, engine.step = recording_schedule, recording_step
-    yield None
+    """Record each engine step's shape and time, as the engine reports them."""
+    stop = llm.engine.observe(lambda stats: (shapes.append(stats.shape), times.append(stats.step_time)))
+    try:
+        yield None
+    finally:
+        stop()
 
 
 def main():

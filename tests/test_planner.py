@@ -224,16 +224,9 @@ def test_calibration_predicts_the_job_on_a_synthetic_clock(tmp_path, tiny_model)
                                        engine={"max_num_seqs": 8}))
     work = load_workload(spec, read_model_config(spec.model))
 
-    def clocked_engine():
+    def clocked_engine():   # the first observer sets the step's time; the ones after it (calibration's) read it
         engine = LLM(model=spec.model, **spec.engine_options).engine
-        real_step = engine.step
-
-        def clocked_step():
-            outputs = real_step()
-            engine.stats.step_time = 0.002 + 1e-5 * engine.stats.scheduled_tokens
-            return outputs
-
-        engine.step = clocked_step
+        engine.observe(lambda stats: setattr(stats, "step_time", 0.002 + 1e-5 * stats.shape.tokens))
         return engine
 
     cal = run_calibration(spec, work, 0.2, SimpleNamespace(engine=clocked_engine()))

@@ -5,7 +5,6 @@ import dataclasses
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -17,7 +16,8 @@ from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.model_runner import ModelRunner
 from batchrun.engine.request import Request, RequestOutput
 from batchrun.engine.sampler import Sampler
-from batchrun.engine.scheduler import Lane, Scheduler, StepPlan, WaitingQueue, default_admission_key
+from batchrun.engine.scheduler import Lane, Scheduler, WaitingQueue, default_admission_key
+from batchrun.engine.step_stats import StepShape, StepStats
 from batchrun.engine.stop import StopRule
 from batchrun.models import cpu_gemm
 from batchrun.models.registry import model_class
@@ -27,23 +27,6 @@ from batchrun.structured import GrammarCompiler
 log = logging.getLogger("batchrun")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@dataclass
-class StepStats:
-    step: int = 0
-    running: int = 0
-    waiting: int = 0
-    scheduled_tokens: int = 0
-    scheduled_seqs: int = 0
-    context_tokens: int = 0            # sum over scheduled sequences of their context after the step (KV read)
-    kv_blocks_used: int = 0
-    kv_blocks_free: int = 0
-    prefix_cache_hit_tokens: int = 0   # cumulative
-    preemptions: int = 0               # cumulative
-    prompt_tokens: int = 0             # cumulative, processed (recompute included)
-    output_tokens: int = 0             # cumulative
-    step_time: float = 0.0
 
 
 class Engine:
@@ -74,6 +57,7 @@ class Engine:
                                    StopRule(self._eos_token_ids(), self.max_model_len, self.tokenizer))
         self.sampler = Sampler(config.seed)
         self.stats = StepStats(kv_blocks_free=self.num_blocks)
+        self._observers: list[tuple[Callable[[StepStats], None], bool]] = []
         self.requests: dict[str, list[Request]] = {}   # request id -> its samples (one unless params.n > 1)
         self._grammars: GrammarCompiler | None = None   # built at the first structured-output request
         self._rejected: list[Request] = []
@@ -202,20 +186,30 @@ class Engine:
             self._finish(request, "abort")
         return [self._output(r) for r in samples]
 
+    def observe(self, callback: Callable[[StepStats], None], synchronize: bool = False) -> Callable[[], None]:
+        """Call `callback(stats)` after every step (the same StepStats object, updated in place: copy what you keep).
+        synchronize: wait for the device at each phase boundary so that the phase times are the device's (slower
+        on CUDA; no effect on CPU). Returns the function that stops the observing."""
+        entry = (callback, synchronize)
+        self._observers.append(entry)
+        return lambda: self._observers.remove(entry) if entry in self._observers else None
+
     def step(self) -> list[RequestOutput]:
         """Run one step; returns an output for each request that got a token or finished.
 
         A request that fails after the forward (its grammar, its sampling, its stop rule) ends alone with
         finish_reason 'error' and its reason; the step goes on for the others. A forward that raises is the
         engine's failure: it propagates."""
-        start = time.perf_counter()
+        clock = _PhaseClock(self.device, any(sync for _, sync in self._observers))
         touched = self._rejected
         self._rejected = []
         plan = self.scheduler.schedule()
-        context = sum(r.num_computed_tokens + n for r, n in plan.scheduled)   # read before update advances them
+        shape = StepShape.of(plan.scheduled)   # read before update advances the requests
+        clock.lap("schedule_s")
         if plan.scheduled:
             self.stats.prompt_tokens += plan.num_prompt_tokens
             logits, sample_reqs = self.runner.run(plan, self._pool_of)
+            clock.lap("forward_s")
             failed: dict[Request, str] = {}   # request -> why it ends now, alone
             logits, sample_reqs = self._fork(logits, sample_reqs, failed)
             if self._grammars is not None:
@@ -223,6 +217,7 @@ class Engine:
                 failed.update((sample_reqs[i], why) for i, why in dead.items())
             sampled = self._sample(logits, sample_reqs, failed)
             sampled = [s for s in sampled if self._accept(s[0], s[1], failed)]
+            clock.lap("sample_s")
             finished = self.scheduler.update(plan, sampled)
             for request, why in failed.items():
                 self._finish(request, "error", why)
@@ -236,7 +231,10 @@ class Engine:
             self.stats.output_tokens += len(sampled)
         elif not touched and self.scheduler.running:
             raise RuntimeError("scheduler planned no work while requests are running")
-        self._update_stats(plan, context, time.perf_counter() - start)
+        clock.lap("update_s")
+        self._update_stats(shape, clock)
+        for callback, _ in list(self._observers):
+            callback(self.stats)
         if self.device.type == "cpu":
             cpu_gemm.return_freed_memory()
         return [self._output(r) for r in touched]
@@ -339,14 +337,36 @@ class Engine:
             latency=(request.finish_time - request.arrival_time) if done else None, sample_index=request.sample_index,
             num_samples=request.num_samples)
 
-    def _update_stats(self, plan: StepPlan, context_tokens: int, step_time: float) -> None:
+    def _update_stats(self, shape: StepShape, clock: "_PhaseClock") -> None:
         s = self.stats
         s.step += 1
         lanes = self.scheduler.lanes
-        s.running, s.waiting = len(self.scheduler.running), self.scheduler.num_waiting
-        s.scheduled_tokens, s.scheduled_seqs = plan.num_tokens, len(plan.scheduled)
-        s.context_tokens, s.step_time = context_tokens, step_time
+        s.shape, s.running, s.waiting = shape, len(self.scheduler.running), self.scheduler.num_waiting
         s.kv_blocks_free = sum(lane.block_manager.num_free_blocks for lane in lanes)
         s.kv_blocks_used = self.num_blocks - s.kv_blocks_free
         s.prefix_cache_hit_tokens = sum(lane.block_manager.prefix_hits for lane in lanes)
         s.preemptions = self.scheduler.num_preemptions
+        for phase, seconds in clock.laps.items():
+            setattr(s, phase, seconds)
+        s.step_time = clock.total
+
+
+class _PhaseClock:
+    """Seconds per phase of one step (waiting for the device at each lap when asked to)."""
+
+    def __init__(self, device: torch.device, synchronize: bool):
+        self.sync = synchronize and device.type == "cuda"
+        self.device = device
+        self.start = self.last = time.perf_counter()
+        self.laps = dict.fromkeys(("schedule_s", "forward_s", "sample_s", "update_s"), 0.0)
+
+    def lap(self, phase: str) -> None:
+        if self.sync:
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.laps[phase] += now - self.last
+        self.last = now
+
+    @property
+    def total(self) -> float:
+        return self.last - self.start

@@ -51,12 +51,12 @@ def run_engine(model: str, prompts: list[list[int]], max_tokens: int, device: st
     engine = llm.engine
     if warmup:   # compiles the kernels; reversed prompts, so the timed run gets no prefix-cache hit from it
         llm.generate([p[::-1] for p in prompts[:2]], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
-    split = StepSplit(engine)
     steps_before, preempt_before = engine.stats.step, engine.stats.preemptions
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=logprobs)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - start
+    with StepSplit(engine) as split:
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - start
     failed = [o.error for o in outs if o.finish_reason == "error"]
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(outs)} prompts failed on {device}: {failed[0]}")

@@ -145,6 +145,19 @@ class EtaEstimator:
             elif (j := self._random.randrange(self.rows_read)) < KEEP:
                 self.prompt_sample[j] = item
 
+    @classmethod
+    def from_engine(cls, engine, rows_to_read: int, batching, saved: dict | None = None) -> "EtaEstimator":
+        """An estimator for a job on this engine (its pool, step caps and context prior), observing its steps."""
+        config = engine.config
+        eta = cls(num_blocks=engine.block_manager.num_blocks, block_size=config.block_size,
+                  max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                  prefix_caching=config.enable_prefix_caching, rows_to_read=rows_to_read, window=batching.window,
+                  bucketing=batching.bucketing, longest_first=batching.longest_first, prior=context_prior(engine),
+                  saved=saved)
+        engine.observe(lambda stats: eta.observe_step(stats.shape.tokens, stats.shape.seqs, stats.shape.kv_tokens,
+                                                      stats.step_time))
+        return eta
+
     def observe_step(self, tokens: int, seqs: int, context_tokens: int, seconds: float) -> None:
         if self._run_start is None:
             self._run_start = self.clock() - seconds

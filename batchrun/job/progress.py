@@ -46,8 +46,7 @@ class Progress:
         log_every_s): the caller then refreshes summary.json and metrics.prom."""
         now = time.monotonic()
         s = engine.stats
-        if self.estimator is not None:
-            self.estimator.observe_step(s.scheduled_tokens, s.scheduled_seqs, s.context_tokens, s.step_time)
+        if self.estimator is not None:   # it observes the engine's steps itself (EtaEstimator.from_engine)
             self.eta = self.estimator.estimate(engine.scheduler, queued)
         rate = self.tokens / max(now - self.start, 1e-9)
         detail = (f"{self.tokens} out tok, {rate:.1f} out tok/s, run {s.running}, wait {s.waiting}, "

@@ -18,7 +18,7 @@ from batchrun.job import kv_gate, preflight, prepare, report
 from batchrun.job.records import RecordMaker, extra_columns
 from batchrun.job.bucketing import RowFeed
 from batchrun.job.errors import EXIT_FAILED_ROWS, EXIT_INTERRUPTED, EXIT_OK
-from batchrun.job.eta import EtaEstimator, context_prior
+from batchrun.job.eta import EtaEstimator
 from batchrun.job.progress import Progress, in_notebook
 from batchrun.job.prompts import PromptEncoder
 from batchrun.job.sink import JobLock, ResultSink, result_schema
@@ -87,12 +87,7 @@ class JobRunner:
         engine, batching = llm.engine, spec.batching
         config = engine.config
         encoder = PromptEncoder(spec.input, llm.tokenizer, engine.max_model_len)
-        eta = EtaEstimator(num_blocks=engine.block_manager.num_blocks, block_size=config.block_size,
-                           max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                           prefix_caching=config.enable_prefix_caching, rows_to_read=total - len(done),
-                           window=batching.window, bucketing=batching.bucketing,
-                           longest_first=batching.longest_first, prior=context_prior(engine),
-                           saved=report.read_json(out_dir, report.ETA_STATE))
+        eta = EtaEstimator.from_engine(engine, total - len(done), batching, report.read_json(out_dir, report.ETA_STATE))
         feed = RowFeed(source.batches(min(1024, batching.window)), encoder.prepare, batching.window,
                        batching.bucketing, done, batching.longest_first, observe=eta.observe_rows,
                        pilot=batching.pilot)

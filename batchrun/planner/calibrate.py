@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from batchrun.job.spec import JobSpec
 from batchrun.planner.workload import Workload
 from batchrun.stepmodel.costmodel import LinearModel, StepShape, fit_linear
-from batchrun.stepmodel.simulate import WorkItem, simulate, step_shape, timeline
+from batchrun.stepmodel.simulate import WorkItem, simulate, timeline
 
 WARMUP_STEPS = 2   # the first steps pay one-off costs (allocation, kernel selection): not fitted
 
@@ -22,32 +22,25 @@ def pilot_indices(n: int, fraction: float) -> list[int]:
 
 
 def run_pilot(llm, spec: JobSpec, items: list[WorkItem]) -> tuple[list[StepShape], list[float], list[int], float]:
-    """Drive llm.engine.step() over the items; each step's shape (read from the scheduler's plan) and time, the
+    """Drive llm.engine.step() over the items; each step's shape and time (as the engine reports them), the
     measured output length of each item, and the wall time of the stepping loop."""
     engine = llm.engine
     shapes: list[StepShape] = []
-    schedule = engine.scheduler.schedule
-
-    def recording_schedule():
-        plan = schedule()
-        shapes.append(step_shape(plan))
-        return plan
-
+    times: list[float] = []
     ids = []
     for item in items:
         params = spec.sampling_params(max_tokens=item.output_tokens)
         ids.append(engine.add_request(list(item.prompt), params).request_id)
-    engine.scheduler.schedule = recording_schedule   # this engine instance only; removed below
-    times, lengths = [], {}
+    stop_observing = engine.observe(lambda stats: (shapes.append(stats.shape), times.append(stats.step_time)))
+    lengths = {}
     start = time.perf_counter()
     try:
         while engine.has_unfinished():
             for out in engine.step():
                 if out.finished:
                     lengths[out.request_id] = len(out.token_ids)
-            times.append(engine.stats.step_time)
     finally:
-        del engine.scheduler.schedule
+        stop_observing()
     wall = time.perf_counter() - start
     return shapes, times, [lengths.get(i, 0) for i in ids], wall
 

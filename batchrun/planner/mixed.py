@@ -22,10 +22,11 @@ import numpy as np
 from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.request import Request
 from batchrun.engine.scheduler import Lane, Scheduler, WaitingQueue
+from batchrun.engine.step_stats import StepShape
 from batchrun.sampling_params import SamplingParams
 from batchrun.stepmodel.catalog import GPU
-from batchrun.stepmodel.costmodel import RooflineModel, StepShape
-from batchrun.stepmodel.simulate import dummy_prompt, fake_forward, step_shape
+from batchrun.stepmodel.costmodel import RooflineModel
+from batchrun.stepmodel.simulate import dummy_prompt, fake_forward
 
 LATENCY_KV_DTYPE = "float16"
 PACKED_KV_DTYPES = ("int8", "fp8")   # batch KV in the shared pool and the throughput pool
@@ -126,7 +127,7 @@ def serve(scheduler: Scheduler, cost: RooflineModel, lane_bytes: dict[str, int],
         if not plan.scheduled:
             raise RuntimeError("mixed simulation: the scheduler planned no work; a pool cannot hold the next request")
         kv_bytes = sum((r.num_computed_tokens + n) * lane_bytes[r.lane] for r, n in plan.scheduled)
-        now += cost.step_time(dataclasses.replace(step_shape(plan), kv_bytes=kv_bytes))
+        now += cost.step_time(dataclasses.replace(StepShape.of(plan.scheduled), kv_bytes=kv_bytes))
         finished = fake_forward(scheduler, plan)
         for request, _ in plan.scheduled:
             if request.first_token_time is None and request.num_tokens > request.num_prompt_tokens:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from batchrun.engine.step_stats import StepShape
 from batchrun.stepmodel.catalog import GPU
 
 WEIGHT_BYTES = 2   # fp16/bf16 weights on a GPU
@@ -119,15 +120,6 @@ def _moe_fields(get) -> dict:
     return dict(num_experts=experts, experts_per_token=int(get("num_experts_per_tok")),
                 expert_intermediate_size=int(get("moe_intermediate_size") or get("intermediate_size")),
                 moe_layers=moe_layers)
-
-
-@dataclass(frozen=True)
-class StepShape:
-    tokens: int        # tokens computed this step (prefill chunks + one per decoding sequence)
-    seqs: int          # sequences scheduled
-    kv_tokens: int     # sum over scheduled sequences of their context after the step (KV read)
-    attn_pairs: int    # sum over scheduled tokens of the positions each attends to (attention FLOPs / 4 L H d)
-    kv_bytes: int = 0  # KV bytes read, where lanes store KV in different dtypes (0: kv_tokens x the model's)
 
 
 @dataclass

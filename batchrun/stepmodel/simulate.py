@@ -13,8 +13,8 @@ from batchrun.admission_order import window_order
 from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.request import Request, RequestStatus
 from batchrun.engine.scheduler import Scheduler, StepPlan
+from batchrun.engine.step_stats import StepShape
 from batchrun.sampling_params import SamplingParams
-from batchrun.stepmodel.costmodel import StepShape
 
 
 @dataclass(frozen=True)
@@ -43,17 +43,6 @@ class Trace:
     @property
     def steps(self) -> int:
         return len(self.shapes)
-
-
-def step_shape(plan: StepPlan) -> StepShape:
-    """The shape of a planned step, read before the requests advance (as the forward sees them)."""
-    tokens = kv = pairs = 0
-    for request, n in plan.scheduled:
-        done = request.num_computed_tokens
-        tokens += n
-        kv += done + n
-        pairs += n * done + n * (n + 1) // 2
-    return StepShape(tokens, len(plan.scheduled), kv, pairs)
 
 
 def fake_forward(scheduler: Scheduler, plan: StepPlan) -> list[Request]:
@@ -122,7 +111,7 @@ def simulate(items: list[WorkItem], num_blocks: int, block_size: int = 16, max_n
         if not plan.scheduled:
             raise RuntimeError("simulation: the scheduler planned no work; the pool cannot hold the next request "
                                f"({num_blocks} blocks of {block_size} tokens)")
-        trace.shapes.append(step_shape(plan))
+        trace.shapes.append(StepShape.of(plan.scheduled))
         trace.running.append(len(scheduler.running))
         trace.waiting.append(scheduler.num_waiting)
         trace.out_tokens.append(len(plan.sampling))

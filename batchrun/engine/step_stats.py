@@ -1,0 +1,47 @@
+"""What one engine step did: its shape (what the cost models price) and where its time went. The engine hands
+each step's StepStats to its observers (Engine.observe): the job's ETA, calibration, gpucheck and the benchmarks
+watch steps this way instead of wrapping the engine's methods."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class StepShape:
+    tokens: int = 0        # tokens computed this step (prefill chunks + one per decoding sequence)
+    seqs: int = 0          # sequences scheduled
+    kv_tokens: int = 0     # sum over scheduled sequences of their context after the step (KV read)
+    attn_pairs: int = 0    # sum over scheduled tokens of the positions each attends to (attention FLOPs / 4 L H d)
+    kv_bytes: int = 0      # KV bytes read, where lanes store KV in different dtypes (0: kv_tokens x the model's)
+
+    @classmethod
+    def of(cls, scheduled) -> "StepShape":
+        """The shape of a planned step [(request, tokens)], read before the requests advance."""
+        tokens = kv = pairs = 0
+        for request, n in scheduled:
+            done = request.num_computed_tokens
+            tokens += n
+            kv += done + n
+            pairs += n * done + n * (n + 1) // 2
+        return cls(tokens, len(scheduled), kv, pairs)
+
+
+@dataclass
+class StepStats:
+    step: int = 0
+    shape: StepShape = field(default_factory=StepShape)
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_free: int = 0
+    prefix_cache_hit_tokens: int = 0   # cumulative
+    preemptions: int = 0               # cumulative
+    prompt_tokens: int = 0             # cumulative, processed (recompute included)
+    output_tokens: int = 0             # cumulative
+    step_time: float = 0.0             # the whole step, seconds
+    # Its phases, seconds. On CUDA the forward is asynchronous: an observer that asks for synchronised phases makes
+    # the engine wait for the device at each boundary; otherwise the sampler's time includes the forward's tail.
+    schedule_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0              # grammar masks, sampling, forks
+    update_s: float = 0.0              # the scheduler's update, detokenizing finished requests
