@@ -143,7 +143,7 @@ def test_generate_is_a_job_made_from_flags(tmp_path, tiny_model):
     assert again.exit_code == 0 and json.load(open(out / "summary.json"))["rows_this_run"] == 0
     bad = CliRunner().invoke(main, args[:-2] + ["--max-tokens", "0"])
     assert bad.exit_code == EXIT_INVALID
-    assert "sampling.max_tokens (from --max-tokens): must be a positive integer" in bad.output
+    assert "Invalid value for '--max-tokens': must be an integer >= 1, got '0'" in bad.output
 
 
 def test_metrics_textfile_escapes_labels_and_parses(tmp_path):

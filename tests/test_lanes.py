@@ -1,4 +1,6 @@
 """Interactive lane: own KV pool, admitted first, capped, takes seats from the batch lane, never the reverse."""
+import pytest
+
 from batchrun import LLM, SamplingParams
 from conftest import random_prompts, reference_greedy
 
@@ -88,3 +90,14 @@ def test_batch_lane_yields_to_interactive_requests_down_to_its_cap(tiny_model):
     assert done[chat.request_id].token_ids == reference_greedy(model, prompts[4], 8)
     for request, prompt in zip(batch, prompts):
         assert done[request.request_id].token_ids == reference_greedy(model, prompt, 20)
+
+
+def test_a_lane_is_resolved_when_the_request_is_added(tiny_llm):
+    """An unknown lane is refused at once (it used to fall back to the last lane silently each step); "interactive"
+    on an engine without an interactive lane is its batch lane, the one pool there is."""
+    with pytest.raises(ValueError, match="lane: unknown lane 'fast'; this engine has batch"):
+        tiny_llm.engine.add_request([1, 2, 3], SamplingParams(max_tokens=1), lane="fast")
+    request = tiny_llm.engine.add_request([1, 2, 3], SamplingParams(max_tokens=1), lane="interactive")
+    assert request.lane == "batch"
+    while tiny_llm.has_unfinished():
+        tiny_llm.step()

@@ -127,7 +127,9 @@ def test_handle_text_deltas_add_up_without_broken_characters():
     handle = RequestHandle("r", tok, cancel=lambda _: None)
     for n in range(1, len(ids)):
         handle._push(RequestOutput("r", 3, ids[:n], None, False, None))
-    handle._push(RequestOutput("r", 3, ids, full, True, "stop"))
+    final = RequestOutput("r", 3, ids, full, True, "stop")
+    final.prompt_outputs = [final]   # as the engine sends a prompt's last output
+    handle._push(final)
     chunks = list(handle.stream(timeout=1))
     assert "".join(c.new_text for c in chunks) == full
     assert not any("\ufffd" in c.new_text for c in chunks)

@@ -5,6 +5,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -27,6 +28,18 @@ from batchrun.structured import GrammarCompiler
 log = logging.getLogger("batchrun")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class LaneSpec:
+    """A lane as configured, before its pool is sized."""
+    name: str
+    kv_bytes: int                # its share of the KV budget
+    kv_dtype: str                # as configured ("auto": the compute dtype's)
+    max_num_seqs: int
+    token_cap: int               # tokens it may compute in one step
+    budget_field: str            # the option that sets its budget, for error messages
+    yield_cap: int | None = None  # its token cap while a higher lane has requests
 
 
 class Engine:
@@ -69,35 +82,34 @@ class Engine:
         budget, field = kv_sizing.total_kv_budget(config, self.device, lambda: self.runner.dummy_forward(
             min(config.max_num_batched_tokens, self.max_model_len), config.max_num_seqs, self.kv_dtype))
         batch_bytes, interactive_bytes = kv_sizing.split_interactive(config, budget)
-        specs = [("batch", batch_bytes, config.kv_cache_dtype, config.max_num_seqs, config.max_num_batched_tokens,
-                  field)]
+        specs = [LaneSpec("batch", batch_bytes, config.kv_cache_dtype, config.max_num_seqs,
+                          config.max_num_batched_tokens, field, yield_cap=config.batch_tokens_while_interactive)]
         if config.interactive_lane:
-            specs.insert(0, ("interactive", interactive_bytes, config.interactive_kv_cache_dtype,
-                             config.interactive_max_num_seqs,
-                             max(1, int(config.max_num_batched_tokens * config.interactive_token_share)),
-                             "interactive_kv_memory"))
+            specs.insert(0, LaneSpec("interactive", interactive_bytes, config.interactive_kv_cache_dtype,
+                                     config.interactive_max_num_seqs,
+                                     max(1, int(config.max_num_batched_tokens * config.interactive_token_share)),
+                                     "interactive_kv_memory"))
         # LongRoPE keys depend on the sequence's length, not only on its tokens: a cached prefix is not reusable.
         prefix_caching = config.enable_prefix_caching and self.model.long_rope_after is None
         if prefix_caching != config.enable_prefix_caching:
             log.info("prefix caching: off for this model (LongRoPE keys change once a sequence outgrows %d tokens)",
                      self.model.long_rope_after)
         lanes, pools = [], []
-        for name, lane_bytes, dtype_name, max_seqs, token_cap, lane_field in specs:
-            dtype = kv_cache.storage_dtype(dtype_name, self.dtype)
+        for spec in specs:
+            dtype = kv_cache.storage_dtype(spec.kv_dtype, self.dtype)
             per_token = kv_cache.bytes_per_token(self.hf_config.num_hidden_layers, attn.num_kv_heads, attn.head_dim,
                                                  dtype)
-            label = dtype_name if dtype_name != "auto" else str(dtype).removeprefix("torch.")
-            num_blocks = kv_sizing.blocks_for(lane_bytes, per_token, config.block_size, self.max_model_len,
-                                              lane_field, label)
+            label = spec.kv_dtype if spec.kv_dtype != "auto" else str(dtype).removeprefix("torch.")
+            num_blocks = kv_sizing.blocks_for(spec.kv_bytes, per_token, config.block_size, self.max_model_len,
+                                              spec.budget_field, label)
             tokens = num_blocks * config.block_size
             log.info("KV cache [%s lane]: %d blocks x %d tokens = %d tokens, %.3f GiB, dtype %s, %d bytes/token, "
-                     "max concurrency %d at max context %d", name, num_blocks, config.block_size, tokens,
+                     "max concurrency %d at max context %d", spec.name, num_blocks, config.block_size, tokens,
                      tokens * per_token / 2**30, label, per_token, tokens // self.max_model_len, self.max_model_len)
-            if name == "batch":
+            if spec.name == "batch":
                 self.kv_bytes_per_token = per_token
-            lanes.append(Lane(name, BlockManager(num_blocks, config.block_size, prefix_caching),
-                              max_seqs, token_cap, WaitingQueue(admission_key),
-                              yield_cap=config.batch_tokens_while_interactive if name == "batch" else None))
+            lanes.append(Lane(spec.name, BlockManager(num_blocks, config.block_size, prefix_caching),
+                              spec.max_num_seqs, spec.token_cap, WaitingQueue(admission_key), yield_cap=spec.yield_cap))
             pools.append((num_blocks, dtype))
         self.runner.allocate_kv(pools)
         self._pool_index = {lane.name: i for i, lane in enumerate(lanes)}
@@ -130,8 +142,16 @@ class Engine:
     def num_blocks(self) -> int:
         return sum(lane.block_manager.num_blocks for lane in self.scheduler.lanes)
 
+    def _lane_name(self, lane: str) -> str:
+        """The lane a request asks for; "interactive" is the batch lane where none is configured (one pool)."""
+        if lane in self._pool_index:
+            return lane
+        if lane == "interactive":
+            return "batch"
+        raise ValueError(f"lane: unknown lane {lane!r}; this engine has {', '.join(self._pool_index)}")
+
     def _pool_of(self, request: Request) -> int:
-        return self._pool_index.get(request.lane, len(self.scheduler.lanes) - 1)
+        return self._pool_index[request.lane]
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     lane: str = "batch", priority: int = 0, order_key: tuple = ()) -> Request:
@@ -139,7 +159,7 @@ class Engine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in the engine")
-        request = Request(request_id, list(prompt_token_ids), params, lane, priority, order_key)
+        request = Request(request_id, list(prompt_token_ids), params, self._lane_name(lane), priority, order_key)
         self.requests[request_id] = [request]
         error = self._check_request(request) or self._attach_grammar(request)
         if error:
@@ -292,7 +312,7 @@ class Engine:
                 # LongRoPE rewrites a sequence's keys once it outgrows the original context: nothing is shared
                 copies = self.scheduler.fork(request, siblings, share=self.model.long_rope_after is None)
                 if copies:
-                    self.runner.pools[self._pool_of(request)].copy_blocks(copies)
+                    self.runner.copy_blocks(self._pool_of(request), copies)
                 rows += [row] * len(siblings)
                 requests += siblings
         return logits[torch.tensor(rows, device=logits.device)], requests
@@ -323,10 +343,19 @@ class Engine:
             request.text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
 
     def _output(self, request: Request) -> RequestOutput:
-        done = request.finished
+        """The request's output now. When it is the last of its prompt's samples to finish, the output carries the
+        final outputs of all of them (prompt_outputs, by sample_index), and the engine forgets the prompt."""
+        out = self._sample_output(request)
         samples = self.requests.get(request.request_id, [])
-        if done and samples and len(samples) == request.num_samples and all(r.finished for r in samples):
-            self.requests.pop(request.request_id, None)
+        if out.finished and len(samples) == request.num_samples and all(r.finished for r in samples):
+            del self.requests[request.request_id]
+            out.prompt_outputs = [out if r is request else self._sample_output(r)
+                                  for r in sorted(samples, key=lambda r: r.sample_index)]
+        return out
+
+    @staticmethod
+    def _sample_output(request: Request) -> RequestOutput:
+        done = request.finished
         return RequestOutput(
             request_id=request.request_id, prompt_tokens=request.num_prompt_tokens,
             token_ids=request.output_token_ids, text=request.text if done else None, finished=done,

@@ -69,16 +69,15 @@ class RequestHandle:
         self._chunks: queue.Queue[StreamChunk] = queue.Queue()
         self._done = threading.Event()
         self._decoders: dict[int, _Decoder] = {}
-        self._finals: dict[int, RequestOutput] = {}
+        self._finals: list[RequestOutput] = []
 
     def _push(self, output: RequestOutput) -> None:
         decoder = self._decoders.setdefault(output.sample_index, _Decoder(self._tokenizer))
         new_ids, new_text = decoder.push(output)
-        if output.finished:
-            self._finals[output.sample_index] = output
-        last = output.finished and len(self._finals) == output.num_samples
+        last = output.prompt_outputs is not None   # the request's last sample finished
         self._chunks.put(StreamChunk(new_ids, new_text, output, last))
         if last:
+            self._finals = output.prompt_outputs
             self._done.set()
 
     def stream(self, timeout: float | None = None):
@@ -109,7 +108,7 @@ class RequestHandle:
         """The final output of each sample, by sample_index."""
         if not self._done.wait(timeout):
             raise TimeoutError(f"request {self.request_id} not finished after {timeout}s")
-        return [self._finals[k] for k in sorted(self._finals)]
+        return list(self._finals)
 
     @property
     def done(self) -> bool:

@@ -115,7 +115,7 @@ class LLM:
             except ValueError as exc:   # this request alone (e.g. its id is taken by a request of a job)
                 with self._inbox_lock:
                     handle = self._handles.pop(request_id)
-                handle._push(RequestOutput(request_id, len(token_ids), [], "", True, "error", error=str(exc)))
+                handle._push(RequestOutput.failed(request_id, len(token_ids), str(exc)))
         for request_id in aborts:
             finals = self.engine.abort(request_id)
             handle = self._handles.pop(request_id, None)
@@ -171,7 +171,7 @@ class LLM:
         with self._inbox_lock:
             handles, self._handles, self._inbox = self._handles, {}, []
         for request_id, handle in handles.items():
-            handle._push(RequestOutput(request_id, 0, [], "", True, "error", error=message))
+            handle._push(RequestOutput.failed(request_id, 0, message))
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -194,7 +194,7 @@ class LLM:
             for request_id in ids:
                 self.engine.abort(request_id)
             raise
-        return [out for i in ids for out in sorted(results[i], key=lambda o: o.sample_index)]
+        return [out for i in ids for out in results[i]]
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, **kwargs) -> list[RequestOutput]:
@@ -202,20 +202,19 @@ class LLM:
         return self.generate(messages, sampling_params, **kwargs)
 
     def _run_until_done(self, ids: list[str], expected: int, use_tqdm: bool) -> dict[str, list[RequestOutput]]:
-        """Step until each request id has all its samples' final outputs (`expected` of them at most, for the bar)."""
-        results: dict[str, list[RequestOutput]] = {i: [] for i in ids}
+        """Step until each request id has its samples' final outputs (`expected` of them at most, for the bar)."""
+        results: dict[str, list[RequestOutput]] = {}
         pending = set(ids)
         bar = tqdm(total=expected, desc="generate", unit="req", disable=not use_tqdm, dynamic_ncols=True)
         out_tokens, start = 0, time.perf_counter()
         with bar:
             while pending:
                 for out in self.step():
-                    if not out.finished or out.request_id not in pending:
-                        continue
-                    results[out.request_id].append(out)
-                    out_tokens += len(out.token_ids)
-                    bar.update(1)
-                    if len(results[out.request_id]) == out.num_samples:
+                    if out.finished and out.request_id in pending:
+                        out_tokens += len(out.token_ids)
+                        bar.update(1)
+                    if out.prompt_outputs is not None and out.request_id in pending:
+                        results[out.request_id] = out.prompt_outputs
                         pending.discard(out.request_id)
                 s = self.engine.stats
                 elapsed = max(time.perf_counter() - start, 1e-9)

@@ -39,6 +39,10 @@ class ModelRunner:
             layer.self_attn.kv_caches = [pool.layer(i) for pool in self.pools]
             layer.self_attn.kv_rotations = rotations
 
+    def copy_blocks(self, pool: int, pairs: list[tuple[int, int]]) -> None:
+        """Copy KV blocks (source, destination) within one lane's pool: a forked sample's partial last block."""
+        self.pools[pool].copy_blocks(pairs)
+
     def dummy_forward(self, num_tokens: int, num_seqs: int, kv_dtype: torch.dtype) -> None:
         """One forward at the largest step the scheduler may plan (for memory profiling), on a scratch pool."""
         num_seqs = max(1, min(num_seqs, num_tokens))

@@ -90,3 +90,13 @@ class RequestOutput:
     latency: float | None = None               # seconds from arrival to finish
     sample_index: int = 0                      # with n > 1 samples per prompt: which one (same request_id)
     num_samples: int = 1                       # final outputs its request_id ends with (Request.num_samples)
+    # On the output that finishes its prompt (the last of its samples to finish): every sample's final output, by
+    # sample_index (itself among them). None on the others.
+    prompt_outputs: list["RequestOutput"] | None = field(default=None, repr=False)
+
+    @classmethod
+    def failed(cls, request_id: str, prompt_tokens: int, error: str) -> "RequestOutput":
+        """The final output of a request that ended before the engine ran it (its prompt's only output)."""
+        out = cls(request_id, prompt_tokens, [], "", True, "error", error=error)
+        out.prompt_outputs = [out]
+        return out

@@ -91,7 +91,8 @@ class Lane:
 class Scheduler:
     def __init__(self, lanes: list[Lane], max_num_seqs: int, max_num_batched_tokens: int,
                  stop_rule: StopRule = StopRule()):
-        self.lanes = lanes                       # highest priority first; the last is the default lane
+        self.lanes = lanes                       # highest priority first
+        self._lane_by_name = {lane.name: lane for lane in lanes}
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.stop_rule = stop_rule
@@ -105,7 +106,7 @@ class Scheduler:
         return cls([lane], max_num_seqs, max_num_batched_tokens)
 
     def lane_of(self, request: Request) -> Lane:
-        return next((lane for lane in self.lanes if lane.name == request.lane), self.lanes[-1])
+        return self._lane_by_name[request.lane]
 
     @property
     def running(self) -> list[Request]:
@@ -120,6 +121,8 @@ class Scheduler:
         return sum(len(lane.waiting) for lane in self.lanes)
 
     def add(self, request: Request) -> None:
+        if request.lane not in self._lane_by_name:
+            raise ValueError(f"lane: unknown lane {request.lane!r}; lanes: {', '.join(self._lane_by_name)}")
         self.lane_of(request).waiting.push(request)
 
     def has_unfinished(self) -> bool:

@@ -67,7 +67,6 @@ class ReplicaEngine:
         self.ready_at = time.time()
         self.record_maker = RecordMaker(spec)
         self.waiting: dict[str, asyncio.Future] = {}   # request id -> its samples' final outputs, once all are in
-        self.finished: dict[str, list] = {}
         self.stepper: asyncio.Task | None = None
         self.batches = 0
         self.kv_peak = 0
@@ -104,13 +103,8 @@ class ReplicaEngine:
         try:
             while self.waiting:
                 for out in self.llm.step():
-                    if not out.finished:
-                        continue
-                    outs = self.finished.setdefault(out.request_id, [])
-                    outs.append(out)
-                    if len(outs) == out.num_samples:
-                        del self.finished[out.request_id]
-                        self.waiting.pop(out.request_id).set_result(outs)
+                    if out.prompt_outputs is not None:   # the row's last sample finished
+                        self.waiting.pop(out.request_id).set_result(out.prompt_outputs)
                 self.kv_peak = max(self.kv_peak, self.engine.stats.kv_blocks_used)
                 await asyncio.sleep(0)
         except Exception as exc:   # an engine failure fails the waiting calls instead of leaving them hanging

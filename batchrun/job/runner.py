@@ -93,7 +93,6 @@ class JobRunner:
                        pilot=batching.pilot)
         in_flight_cap = config.max_num_seqs + (batching.max_waiting or 4 * config.max_num_seqs)
         inflight: dict[str, Row] = {}
-        finished: dict[str, list] = {}   # a row's finished samples, until it has all (n > 1)
         records = RecordMaker(spec)
         progress = Progress(total, len(done), self.tty, spec.output.log_every_s, self._name(), eta, spec.deadline_at,
                             spec.path)
@@ -112,14 +111,10 @@ class JobRunner:
                 if not inflight and (server is None or not server.finishing()):
                     break
                 for out in llm.step():   # also admits served requests and routes their tokens
-                    if not out.finished:
+                    if out.prompt_outputs is None:   # the row is done when its last sample is
                         continue
-                    outs = finished.setdefault(out.request_id, [])
-                    outs.append(out)
-                    if len(outs) < out.num_samples:
-                        continue
+                    outs = out.prompt_outputs
                     row = inflight.pop(out.request_id)
-                    del finished[out.request_id]
                     saved = records.records(row, outs)
                     self._save(sink, saved)
                     progress.row(failed=all(r["status"] == "error" for r in saved),

@@ -160,17 +160,16 @@ class _Server:
         watcher = asyncio.create_task(_cancel_on_disconnect(request, handle))
         self.metrics.in_flight.inc()
         try:
-            finals = {}
+            outs = []
             async for chunk in handle.astream():
                 self._first_token(chunk, arrival)
-                if chunk.finished:
-                    finals[chunk.output.sample_index] = chunk.output
+                if chunk.last:
+                    outs = chunk.output.prompt_outputs
         finally:
             self.metrics.in_flight.dec()
             watcher.cancel()
             if not handle.done:
                 handle.cancel()
-        outs = [finals[k] for k in sorted(finals)]
         for out in outs or [None]:
             _raise_for(out)
         self.metrics.count_tokens(outs[0].prompt_tokens, sum(len(o.token_ids) for o in outs))
