@@ -26,7 +26,7 @@ def spec_error(tmp_path, text: str, *overrides) -> str:
     (BASE + "batchng:\n  window: 5\n", r"batchng \(line 6\): unknown key; did you mean 'batching'"),
     (BASE + "sampling:\n  temperature: hot\n", r"sampling.temperature \(line 7\): must be a number, got 'hot'"),
     (BASE + "sampling:\n  max_tokens: 0\n", r"sampling.max_tokens \(line 7\): must be a positive integer"),
-    (BASE + "sampling:\n  top_p: 2\n", r"sampling.top_p \(line 7\): must be in \(0, 1\]"),
+    (BASE + "sampling:\n  top_p: 2\n", r"sampling.top_p \(line 7\): must be a number in \(0, 1\]"),
     (BASE + "input2: {}\n", r"unknown key; did you mean 'input'"),
     (BASE.replace("  path: in.parquet\n", "  id_column: id\n"), r"input \(line 2\): path is required"),
     (BASE + "engine:\n  kv_cache_dtype: int4\n", r"engine.kv_cache_dtype \(line 7\): unknown value 'int4'"),

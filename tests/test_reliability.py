@@ -175,7 +175,7 @@ def test_a_failed_write_mid_job_stops_with_exit_5_and_resumes_exactly_once(tmp_p
     from batchrun.job import sink as sink_module
     ids = write_prompts(tmp_path / "in.parquet", 20)
     job = write_job(tmp_path, tiny_model[0], output={"shard_rows": 3})
-    real_write, calls = sink_module._write_file, []
+    real_write, calls = sink_module.write_shard, []
 
     def failing(directory, name, table):
         calls.append(name)
@@ -183,10 +183,10 @@ def test_a_failed_write_mid_job_stops_with_exit_5_and_resumes_exactly_once(tmp_p
             raise OSError(error, os.strerror(error))
         return real_write(directory, name, table)
 
-    monkeypatch.setattr(sink_module, "_write_file", failing)
+    monkeypatch.setattr(sink_module, "write_shard", failing)
     stopped = Job.from_yaml(job).run(progress="log")
     assert stopped.exit_code == EXIT_INTERRUPTED and stopped.summary["rows_done"] == 6
     assert os.strerror(error) in open(tmp_path / "out" / "job" / "job.log").read()
-    monkeypatch.setattr(sink_module, "_write_file", real_write)
+    monkeypatch.setattr(sink_module, "write_shard", real_write)
     done = Job.from_yaml(job).run(progress="log")
     assert done.exit_code == 0 and sorted(done.table().column("id").to_pylist()) == ids

@@ -11,6 +11,7 @@ from datetime import datetime
 from tqdm.auto import tqdm
 
 from batchrun.job.eta import Eta, EtaEstimator, clock_text, deadline_verdict, duration_text
+from batchrun.job.run_summary import Estimate
 
 log = logging.getLogger("batchrun.job")
 
@@ -73,16 +74,12 @@ class Progress:
             return None
         return deadline_verdict(self.eta.finish_at, self.deadline, self.job_path)
 
-    def figures(self) -> dict:
+    def estimate(self) -> Estimate:
         """The estimate for summary.json and metrics.prom."""
-        verdict = self.verdict()
-        return {"eta_seconds": None if self.eta is None else round(self.eta.seconds_left, 1),
-                "predicted_finish": None if self.eta is None else
-                datetime.fromtimestamp(self.eta.finish_at).astimezone().isoformat(timespec="seconds"),
-                "predicted_finish_timestamp": None if self.eta is None else round(self.eta.finish_at, 1),
-                "expected_output_tokens_left": None if self.eta is None else self.eta.output_tokens_left,
-                "deadline": None if self.deadline is None else self.deadline.astimezone().isoformat(timespec="minutes"),
-                "on_track": None if verdict is None else verdict[0]}
+        verdict, eta = self.verdict(), self.eta
+        return Estimate.of(None if eta is None else eta.seconds_left, None if eta is None else eta.finish_at,
+                           None if eta is None else eta.output_tokens_left, self.deadline,
+                           None if verdict is None else verdict[0])
 
     def close(self) -> None:
         if self.bar is not None:

@@ -13,9 +13,10 @@ import os
 import socket
 import uuid
 
-from batchrun.job import kv_gate, report
+from batchrun.job import kv_gate
 from batchrun.job.atomic import atomic_write
 from batchrun.job.ray_progress import RayProgress
+from batchrun.job.run_summary import RunSummary
 from batchrun.job.runner import JobRunner
 from batchrun.job.sink import ResultSink
 from batchrun.job.source import ParquetSource
@@ -109,7 +110,8 @@ class RayJobRunner(JobRunner):
                             f"input.path and output.path are local paths; put them on storage every node mounts "
                             f"at the same path and set executor.shared_filesystem: true")
 
-    def _generate(self, source: ParquetSource, sink: ResultSink, done: set[int], total: int, out_dir: str) -> dict:
+    def _generate(self, source: ParquetSource, sink: ResultSink, done: set[int], total: int,
+                  out_dir: str) -> RunSummary:
         from ray.data import ActorPoolStrategy, DataContext
 
         from batchrun.job.ray_replica import RUN_TOKEN, ReplicaEngine
@@ -137,7 +139,7 @@ class RayJobRunner(JobRunner):
         try:
             for batch in results.iter_batches(batch_size=None, batch_format="pyarrow"):
                 if progress.update(batch.to_pylist()):
-                    self._report_running(out_dir, progress)
+                    self._report(out_dir, progress.summary())
                 if self.stop_reason:
                     break
         finally:
@@ -149,7 +151,6 @@ class RayJobRunner(JobRunner):
         if self.stop_reason:
             log.warning("stopped by %s: %d rows saved this run; batches in flight run again on the next submit",
                         self.stop_reason, committed)
-        return {**progress.figures(), "rows_this_run": committed}
-
-    def _report_running(self, out_dir: str, progress: RayProgress) -> None:
-        report.write_summary(out_dir, self._name(), {**progress.figures(), "exit_code": None, "status": "running"})
+        run = progress.summary()
+        run.rows_this_run = committed
+        return run

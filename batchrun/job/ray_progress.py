@@ -14,6 +14,7 @@ from datetime import datetime
 from tqdm.auto import tqdm
 
 from batchrun.job.eta import clock_text, duration_text
+from batchrun.job.run_summary import RunSummary
 
 log = logging.getLogger("batchrun.job")
 # the replica's engine figures, as its latest batch reported them
@@ -65,18 +66,19 @@ class RayProgress:
         finish = datetime.fromtimestamp(time.time() + left)
         return f"time left {duration_text(left)} (finish {clock_text(finish, datetime.now())})"
 
-    def figures(self) -> dict:
+    def summary(self) -> RunSummary:
         """This run's figures: totals and one entry per replica (a restarted actor is a new replica)."""
         wall = time.monotonic() - self.start
         replicas = []
         for name, r in sorted(self.replicas.items()):
             busy = max(r["last_batch_at"] - r["ready_at"], 1e-9)   # from the model loaded to the last batch
             replicas.append({"replica": name, **r, "output_tokens_per_s": round(r["output_tokens"] / busy, 2)})
-        return {"executor": "ray", "rows_this_run": self.rows, "wall_s": round(wall, 3),
-                "output_tokens_this_run": self.tokens, "output_tokens_per_s": round(self.tokens / max(wall, 1e-9), 2),
-                "time_to_first_row_s": None if self.first_row_s is None else round(self.first_row_s, 3),
-                "preemptions": sum(r.get("preemptions", 0) for r in replicas),
-                "kv_blocks_peak": max((r["kv_blocks_peak"] for r in replicas), default=0), "replicas": replicas}
+        return RunSummary(rows_this_run=self.rows, wall_s=round(wall, 3), output_tokens_this_run=self.tokens,
+                          output_tokens_per_s=round(self.tokens / max(wall, 1e-9), 2),
+                          preemptions=sum(r.get("preemptions", 0) for r in replicas),
+                          kv_blocks_peak=max((r["kv_blocks_peak"] for r in replicas), default=0), details={
+                              "executor": "ray", "replicas": replicas, "time_to_first_row_s":
+                              None if self.first_row_s is None else round(self.first_row_s, 3)})
 
     def close(self) -> None:
         if self.bar is not None:

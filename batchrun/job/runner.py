@@ -12,7 +12,6 @@ import signal
 import sys
 import threading
 import time
-from datetime import datetime
 
 from batchrun.job import kv_gate, preflight, prepare, report
 from batchrun.job.records import RecordMaker, extra_columns
@@ -21,6 +20,7 @@ from batchrun.job.errors import EXIT_FAILED_ROWS, EXIT_INTERRUPTED, EXIT_OK
 from batchrun.job.eta import EtaEstimator
 from batchrun.job.progress import Progress, in_notebook
 from batchrun.job.prompts import PromptEncoder
+from batchrun.job.run_summary import Estimate, RunSummary
 from batchrun.job.sink import JobLock, ResultSink, result_schema
 from batchrun.job.source import Row
 from batchrun.job.spec import JobSpec
@@ -54,7 +54,7 @@ class JobRunner:
             handlers = self._log_to(out_dir)
             try:
                 log.info("job %s: %d rows, %d already done, output %s", self._name(), total, len(done), out_dir)
-                run = self._generate(source, sink, done, total, out_dir) if len(done) < total else {}
+                run = self._generate(source, sink, done, total, out_dir) if len(done) < total else RunSummary()
                 return out_dir, self._finish(out_dir, sink, run)
             finally:
                 for handler in handlers:
@@ -76,7 +76,7 @@ class JobRunner:
         log.propagate = False
         return handlers
 
-    def _generate(self, source, sink: ResultSink, done: set[int], total: int, out_dir: str) -> dict:
+    def _generate(self, source, sink: ResultSink, done: set[int], total: int, out_dir: str) -> RunSummary:
         from batchrun import LLM
         spec = self.spec
         try:
@@ -122,8 +122,9 @@ class JobRunner:
                                  max_tokens=row.params.max_tokens * row.params.n, prompt_tokens=out.prompt_tokens)
                 kv_peak = max(kv_peak, engine.stats.kv_blocks_used)
                 if progress.tick(engine, feed.queued):
-                    figures = self._figures(out_dir, engine, sink, progress, start, kv_peak)
-                    self._report(out_dir, progress, eta, figures)
+                    run = self._figures(out_dir, engine, sink, progress, start, kv_peak)
+                    run.estimate = progress.estimate()
+                    self._report(out_dir, run, eta)
         self._save(sink)
         progress.close()
         report.write_eta_state(out_dir, eta.state())
@@ -132,25 +133,28 @@ class JobRunner:
                         self.stop_reason, sink.rows_written, len(inflight))
         return self._figures(out_dir, engine, sink, progress, start, kv_peak)
 
-    def _figures(self, out_dir: str, engine, sink: ResultSink, progress: Progress, start: float, kv_peak: int) -> dict:
+    def _figures(self, out_dir: str, engine, sink: ResultSink, progress: Progress, start: float,
+                 kv_peak: int) -> RunSummary:
         """This run's figures so far, for summary.json."""
         batching, s, wall = self.spec.batching, engine.stats, time.perf_counter() - start
-        return {"rows_this_run": sink.rows_written, "wall_s": round(wall, 3),
-                "output_tokens_this_run": progress.tokens,
-                "output_tokens_per_s": round(progress.tokens / max(wall, 1e-9), 2),
-                "prompt_tokens_processed": s.prompt_tokens, "preemptions": s.preemptions,
-                "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens, "kv_blocks_peak": kv_peak,
-                "kv_blocks_total": engine.num_blocks, "kv_block_size": engine.config.block_size,
-                "kv_bytes_per_token": engine.kv_bytes_per_token, "bucketing": batching.bucketing,
-                "kv_cache_dtype": engine.config.kv_cache_dtype, "kv_quality_gate": kv_gate.saved_decision(out_dir),
-                "longest_first": batching.longest_first}
+        return RunSummary(rows_this_run=sink.rows_written, wall_s=round(wall, 3),
+                          output_tokens_this_run=progress.tokens,
+                          output_tokens_per_s=round(progress.tokens / max(wall, 1e-9), 2), preemptions=s.preemptions,
+                          kv_blocks_peak=kv_peak, details={
+                              "prompt_tokens_processed": s.prompt_tokens,
+                              "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens,
+                              "kv_blocks_total": engine.num_blocks, "kv_block_size": engine.config.block_size,
+                              "kv_bytes_per_token": engine.kv_bytes_per_token, "bucketing": batching.bucketing,
+                              "kv_cache_dtype": engine.config.kv_cache_dtype,
+                              "kv_quality_gate": kv_gate.saved_decision(out_dir),
+                              "longest_first": batching.longest_first})
 
-    def _report(self, out_dir: str, progress: Progress, eta: EtaEstimator, run: dict) -> None:
+    def _report(self, out_dir: str, run: RunSummary, eta: EtaEstimator | None = None) -> None:
         """While running: summary.json and metrics.prom with the estimate (`batchrun status` and alerts read them),
         and the step records a resumed run starts its estimate from."""
-        report.write_summary(out_dir, self._name(), {**run, **progress.figures(), "exit_code": None,
-                                                     "status": "running"})
-        report.write_eta_state(out_dir, eta.state())
+        report.write_summary(out_dir, self._name(), run.as_dict())
+        if eta is not None:
+            report.write_eta_state(out_dir, eta.state())
 
     def _save(self, sink: ResultSink, records: list[dict] | None = None) -> None:
         """Add an input row's results (or flush); a write that fails (disk full, output made read-only) stops the
@@ -162,7 +166,7 @@ class JobRunner:
             if self.stop_reason is None:
                 self.stop_reason = f"a failed write in {sink.store.dir} ({exc.strerror or exc})"
 
-    def _finish(self, out_dir: str, sink: ResultSink, run: dict) -> dict:
+    def _finish(self, out_dir: str, sink: ResultSink, run: RunSummary) -> dict:
         out = self.spec.output
         if not self.stop_reason:
             if out.order == "input":
@@ -171,19 +175,11 @@ class JobRunner:
                 from batchrun.job.openai_batch import write_output
                 write_output(sink.store.read(), os.path.join(out_dir, "output.jsonl"), self.spec.model)
         failed = report.counts(out_dir)["rows_failed"]
-        code = EXIT_INTERRUPTED if self.stop_reason else EXIT_FAILED_ROWS if failed else EXIT_OK
-        now, deadline = time.time(), self.spec.deadline_at
-        run = {"rows_this_run": 0, "wall_s": 0.0, "output_tokens_this_run": 0, "output_tokens_per_s": 0.0,
-               "preemptions": 0, "kv_blocks_peak": 0, **run, "exit_code": code,
-               "status": "interrupted" if self.stop_reason else "done",
-               "eta_seconds": None if self.stop_reason else 0.0,
-               "predicted_finish_timestamp": None if self.stop_reason else round(now, 1),
-               "predicted_finish": None if self.stop_reason else
-               datetime.fromtimestamp(now).astimezone().isoformat(timespec="seconds"),
-               "deadline": None if deadline is None else deadline.astimezone().isoformat(timespec="minutes"),
-               "on_track": None if deadline is None or self.stop_reason else now <= deadline.timestamp()}
-        summary = report.write_summary(out_dir, self._name(), run)
-        log.info("job %s: %s, %d ok, %d failed, %s remaining; summary in %s", self._name(), run["status"],
+        run.exit_code = EXIT_INTERRUPTED if self.stop_reason else EXIT_FAILED_ROWS if failed else EXIT_OK
+        run.status = "interrupted" if self.stop_reason else "done"
+        run.estimate = Estimate.at_end(time.time(), self.spec.deadline_at, stopped=bool(self.stop_reason))
+        summary = report.write_summary(out_dir, self._name(), run.as_dict())
+        log.info("job %s: %s, %d ok, %d failed, %s remaining; summary in %s", self._name(), run.status,
                  summary["rows_ok"], summary["rows_failed"], summary["rows_remaining"], out_dir)
         return summary
 
