@@ -86,8 +86,8 @@ class ReplicaEngine:
             future = loop.create_future()
             self.waiting[str(row.index)] = future
             futures.append(future)
-            self.engine.add_request(row.token_ids, row.params, request_id=str(row.index),
-                                    lane=self.spec.engine.lane, order_key=(self.batches, rank))
+            self.llm.add_request(row.token_ids, row.params, request_id=str(row.index),
+                                 lane=self.spec.engine.lane, order_key=(self.batches, rank))
         if self.stepper is None or self.stepper.done():
             self.stepper = asyncio.create_task(self._step())
         outs = dict(zip((row.index for row in good), await asyncio.gather(*futures)))

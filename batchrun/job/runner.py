@@ -102,8 +102,8 @@ class JobRunner:
                 while len(inflight) < in_flight_cap and (item := feed.next()) is not None:
                     order_key, row = item
                     inflight[str(row.index)] = row
-                    engine.add_request(row.token_ids, row.params, request_id=str(row.index),
-                                       lane=spec.engine.lane, order_key=order_key)
+                    llm.add_request(row.token_ids, row.params, request_id=str(row.index),
+                                    lane=spec.engine.lane, order_key=order_key)
                 for row in feed.failed:
                     self._save(sink, records.records(row))
                     progress.row(failed=True, tokens=0)
