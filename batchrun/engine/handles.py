@@ -68,6 +68,7 @@ class RequestHandle:
         self._cancel = cancel
         self._chunks: queue.Queue[StreamChunk] = queue.Queue()
         self._done = threading.Event()
+        self._waker: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None   # an astream() waiting
         self._decoders: dict[int, _Decoder] = {}
         self._finals: list[RequestOutput] = []
 
@@ -79,6 +80,13 @@ class RequestHandle:
         if last:
             self._finals = output.prompt_outputs
             self._done.set()
+        waker = self._waker
+        if waker is not None:
+            loop, ready = waker
+            try:
+                loop.call_soon_threadsafe(ready.set)
+            except RuntimeError:   # its event loop has closed: nobody is waiting any more
+                self._waker = None
 
     def stream(self, timeout: float | None = None):
         """Yield StreamChunks until the request finishes."""
@@ -88,17 +96,24 @@ class RequestHandle:
             if chunk.last:
                 return
 
-    async def astream(self, poll: float = 0.01):
-        """The same for asyncio callers, without blocking the event loop."""
-        while True:
-            try:
-                chunk = self._chunks.get_nowait()
-            except queue.Empty:
-                await asyncio.sleep(poll)
-                continue
-            yield chunk
-            if chunk.last:
-                return
+    async def astream(self):
+        """The same for asyncio callers, without blocking the event loop: woken by the stepping thread when a chunk
+        arrives (polling every request's queue on a timer costs the engine's thread the GIL many times a step)."""
+        ready = asyncio.Event()
+        self._waker = (asyncio.get_running_loop(), ready)
+        try:
+            while True:
+                try:
+                    chunk = self._chunks.get_nowait()
+                except queue.Empty:
+                    await ready.wait()
+                    ready.clear()
+                    continue
+                yield chunk
+                if chunk.last:
+                    return
+        finally:
+            self._waker = None
 
     def result(self, timeout: float | None = None) -> RequestOutput:
         """The final output (of sample 0 when there are n)."""
