@@ -11,20 +11,21 @@ import yaml
 import batchrun.job.progress as progress_module
 from batchrun.deadline import parse_deadline
 from batchrun.engine.request import Request
+from batchrun.engine.step_stats import StepShape
 from batchrun.job import Job, JobError, JobSpec
 from batchrun.job.bucketing import RowFeed
 from batchrun.job.eta import MIN_SMALL_STEPS, MIN_STEPS, EtaEstimator, OutputLengths, deadline_verdict
 from batchrun.sampling_params import SamplingParams
-from batchrun.stepmodel.costmodel import ContextPrior
+from batchrun.stepmodel.costmodel import ContextPrior, fit_linear
 from batchrun.stepmodel.simulate import WorkItem, admission_keys, make_scheduler
 from jobkit import write_job, write_prompts
 
 POOL = dict(num_blocks=400, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, prefix_caching=False)
 
 
-def step_seconds(tokens: int, context: int) -> float:
+def step_seconds(shape: StepShape) -> float:
     """The synthetic machine: a known linear step time (what the fit should recover)."""
-    return 0.01 + 0.001 * tokens + 2e-5 * context
+    return 0.01 + 0.001 * shape.tokens + 2e-5 * shape.kv_tokens
 
 
 class FakeClock:
@@ -56,11 +57,11 @@ class SyntheticJob:
 
     def step(self) -> None:
         plan = self.scheduler.schedule()
-        context = sum(r.num_computed_tokens + n for r, n in plan.scheduled)
+        shape = StepShape.of(plan.scheduled)
         rng, jitter = self.jitter
-        seconds = self.step_time(plan.num_tokens, context) * rng.uniform(1 - jitter, 1 + jitter)
+        seconds = self.step_time(shape) * rng.uniform(1 - jitter, 1 + jitter)
         self.clock.t += seconds
-        self.eta.observe_step(plan.num_tokens, len(plan.scheduled), context, seconds)
+        self.eta.observe_step(shape, seconds)
         sampled = [(r, int(len(r.output_token_ids) + 1 == self.outputs[int(r.request_id)]), None)
                    for r in plan.sampling]
         for request in self.scheduler.update(plan, sampled):
@@ -142,8 +143,8 @@ def test_a_full_kv_pool_does_not_fool_the_estimate():
     # then 60 short ones. As on the CPU, a prefill step costs 10x the context's share and step times jitter by 5 %:
     # the steps of the first half alone cannot tell a context token's cost from the step's own. The prior from the
     # bytes (c = ratio x a) can
-    def step_time(tokens: int, context: int) -> float:
-        return 0.01 + 0.004 * tokens + 1.25e-5 * context
+    def step_time(shape: StepShape) -> float:
+        return 0.01 + 0.004 * shape.tokens + 1.25e-5 * shape.kv_tokens
 
     estimates = {}
     for name, prior in (("free", None), ("prior", ContextPrior(1.25e-5 / 0.01))):
@@ -154,13 +155,17 @@ def test_a_full_kv_pool_does_not_fool_the_estimate():
     assert abs(estimates["prior"] - 1) < 0.1, estimates
 
 
+def prefill_law(shape: StepShape) -> float:
+    """As on the CPU: a prefill chunk's attention grows with its new tokens x its context (prefill pairs), which a
+    decode step does not pay."""
+    return 0.01 + 0.001 * shape.tokens + 2e-5 * shape.kv_tokens + 1e-6 * shape.prefill_pairs
+
+
 def test_full_prefill_chunks_alone_do_not_price_the_decode_steps_to_come():
-    # 8 rows of 300 prompt tokens and 100 output tokens. As on the CPU, a prefill chunk's attention grows with its
-    # own context, which a decode step does not pay: fitted on the first steps (all full 64-token chunks), c takes
-    # that growth, and an estimate from that fit was 2.1x the time left. No estimate until smaller steps are
-    # recorded; the first one then is right.
-    def step_time(tokens: int, context: int) -> float:
-        return 0.01 + 0.001 * tokens + 2e-5 * context + (1e-6 * tokens * context if tokens > 8 else 0)
+    # 8 rows of 300 prompt tokens and 100 output tokens. Fitted on the first steps (all full 64-token chunks), the
+    # three-term fit's c took the chunks' attention, and an estimate from that fit was 2.1x the time left. No
+    # estimate until smaller steps are recorded; the first one then is right.
+    step_time = prefill_law
 
     job = SyntheticJob([100] * 8, [300] * 8, step_time=step_time)
     estimate = None
@@ -169,9 +174,25 @@ def test_full_prefill_chunks_alone_do_not_price_the_decode_steps_to_come():
         estimate = job.eta.estimate(job.scheduler, [])
     sizes = [tokens for tokens, *_ in job.eta.steps]
     assert len(sizes) > MIN_STEPS and sum(n <= max(sizes) / 2 for n in sizes) >= MIN_SMALL_STEPS
-    # +27 %: t = a + b x tokens + c x context cannot price the chunks' tokens x context term (issue 35). The bound
-    # was 15 %, met or missed by machine load while the simulations' spacing came from the CPU's time, not the clock
-    assert abs(estimate.seconds_left / job.time_to_finish() - 1) < 0.3
+    assert abs(estimate.seconds_left / job.time_to_finish() - 1) < 0.15
+
+
+def test_the_fit_recovers_a_prefill_attention_term_the_three_term_fit_misprices():
+    """Steps of a run with long prompts and decodes that follow a known law with a prefill-attention term: the fit
+    recovers its four coefficients; without the fourth term, the same steps price the decode tail wrong."""
+    job = SyntheticJob([60] * 16, [200 + 37 * (i % 5) for i in range(16)], step_time=prefill_law)
+    job.time_to_finish()
+    shapes = [StepShape(t, s, c, p) for t, s, c, p, _ in job.eta.steps]
+    times = [seconds for *_, seconds in job.eta.steps]
+    model = fit_linear(shapes, times, holdout_every=0)
+    assert (model.a, model.b, model.c, model.d) == pytest.approx((0.01, 0.001, 2e-5, 1e-6), rel=1e-6)
+    three = fit_linear([StepShape(s.tokens, s.seqs, s.kv_tokens, s.kv_tokens) for s in shapes], times,
+                       holdout_every=0)
+    prefill = [(s, t) for s, t in zip(shapes, times) if s.prefill_pairs > 0]
+    err = sum(three.step_time(StepShape(s.tokens, s.seqs, s.kv_tokens, s.kv_tokens)) for s, _ in prefill) / sum(
+        t for _, t in prefill) - 1
+    # the old fit cannot follow the chunks: it drops them as stalls and prices them 8 % low (here)
+    assert model.outliers == 0 and three.outliers >= len(prefill) // 2 and err < -0.05, (three.outliers, err)
 
 
 def test_a_job_of_full_prefill_chunks_alone_is_priced_from_them():

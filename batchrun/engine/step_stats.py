@@ -14,6 +14,12 @@ class StepShape:
     attn_pairs: int = 0    # sum over scheduled tokens of the positions each attends to (attention FLOPs / 4 L H d)
     kv_bytes: int = 0      # KV bytes read, where lanes store KV in different dtypes (0: kv_tokens x the model's)
 
+    @property
+    def prefill_pairs(self) -> int:
+        """Attention pairs beyond one read of each sequence's context: what a prefill chunk's new tokens x its
+        context add over a decode step (0 for a step of decodes alone)."""
+        return max(self.attn_pairs - self.kv_tokens, 0)
+
     @classmethod
     def of(cls, scheduled) -> "StepShape":
         """The shape of a planned step [(request, tokens)], read before the requests advance."""

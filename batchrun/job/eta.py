@@ -1,7 +1,7 @@
 """Time left for a running job from the work left, not the rows left, priced by the planner's step model.
 
 Each engine step the runner records the step's shape and time. Every so often the step-time model
-t = a + b x tokens + c x context (the fit `batchrun plan --calibrate` uses) is refitted on the recent steps and
+t = a + b x tokens + c x context + d x prefill pairs (the fit `batchrun plan --calibrate` uses) is refitted on the recent steps and
 the work left is simulated over the real scheduler: the engine's running requests as they stand (their KV in the
 cache), its waiting ones, the rows read but not admitted, and the rows not read yet (prompt lengths drawn from
 the rows read so far, bucketed as the feed will). Output lengths come from the rows finished so far, with the
@@ -119,7 +119,9 @@ class EtaEstimator:
         self.bucketing, self.longest_first = bucketing, longest_first
         self.clock, self.wall_clock, self.min_interval_s = clock, wall_clock, min_interval_s
         saved = saved or {}
-        self.steps: deque[tuple[int, int, int, float]] = deque(map(tuple, saved.get("steps", [])), maxlen=KEEP)
+        # (tokens, seqs, context, attention pairs, seconds); a record saved before the pairs were kept: no prefill term
+        self.steps: deque[tuple[int, int, int, int, float]] = deque(
+            (tuple(s) if len(s) == 5 else (*s[:3], s[2], s[3]) for s in saved.get("steps", [])), maxlen=KEEP)
         self.lengths = OutputLengths(saved.get("output_lengths", []))
         self.overhead = float(saved.get("overhead", 1.0))   # wall time / time inside steps (the runner's own work)
         self.prompt_sample: list[tuple[int, int]] = []       # (prompt tokens, max_tokens) of rows read, a reservoir
@@ -154,17 +156,16 @@ class EtaEstimator:
                   prefix_caching=config.enable_prefix_caching, rows_to_read=rows_to_read, window=batching.window,
                   bucketing=batching.bucketing, longest_first=batching.longest_first, prior=context_prior(engine),
                   saved=saved)
-        engine.observe(lambda stats: eta.observe_step(stats.shape.tokens, stats.shape.seqs, stats.shape.kv_tokens,
-                                                      stats.step_time))
+        engine.observe(lambda stats: eta.observe_step(stats.shape, stats.step_time))
         return eta
 
-    def observe_step(self, tokens: int, seqs: int, context_tokens: int, seconds: float) -> None:
+    def observe_step(self, shape: StepShape, seconds: float) -> None:
         if self._run_start is None:
             self._run_start = self.clock() - seconds
         self._run_steps += 1
         self._run_step_s += seconds
-        if tokens and self._run_steps > WARMUP_STEPS:
-            self.steps.append((tokens, seqs, context_tokens, seconds))
+        if shape.tokens and self._run_steps > WARMUP_STEPS:
+            self.steps.append((shape.tokens, shape.seqs, shape.kv_tokens, shape.attn_pairs, seconds))
 
     def observe_finished(self, generated: int, max_tokens: int, prompt_tokens: int) -> None:
         self.lengths.finished.append((prompt_tokens, generated, generated >= max_tokens))
@@ -220,7 +221,7 @@ class EtaEstimator:
         job's first estimate 1.9-2.4x the time left, while the prefill steps that followed it were priced right."""
         if len(self.steps) < MIN_STEPS:
             return None
-        shapes = [StepShape(t, s, c, 0) for t, s, c, _ in self.steps]
+        shapes = [StepShape(t, s, c, p) for t, s, c, p, _ in self.steps]
         times = [seconds for *_, seconds in self.steps]
         try:
             model = fit_linear(shapes, times, holdout_every=0, prior=self.prior)

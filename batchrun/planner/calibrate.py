@@ -1,5 +1,6 @@
-"""Calibration: run a pilot of the job on this machine, fit t = a + b x tokens + c x sum(context) on its steps,
-then predict the whole job by simulating it with the fitted model (same scheduler, same pool size)."""
+"""Calibration: run a pilot of the job on this machine, fit t = a + b x tokens + c x sum(context) + d x prefill
+pairs on its steps, then predict the whole job by simulating it with the fitted model (same scheduler, same pool
+size)."""
 from __future__ import annotations
 
 import time

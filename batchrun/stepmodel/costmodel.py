@@ -3,8 +3,8 @@
 RooflineModel: time = overhead + max(bytes / (bandwidth x eff_bw), FLOPs / (peak x eff_compute)). Decode steps
 read every weight once plus each sequence's KV, so they sit on the bandwidth side; prefill-heavy steps do
 2 x params FLOPs per token and sit on the compute side. A mixture-of-experts model does 2 x active params FLOPs
-per token and reads only the experts its tokens are routed to. LinearModel: t = a + b x tokens + c x sum(context),
-fitted by least squares on measured steps (calibration).
+per token and reads only the experts its tokens are routed to. LinearModel: t = a + b x tokens + c x sum(context)
++ d x prefill pairs, fitted by least squares on measured steps (calibration, the job's ETA).
 """
 from __future__ import annotations
 
@@ -153,10 +153,14 @@ class RooflineModel:
 
 @dataclass
 class LinearModel:
-    """t = a + b x tokens + c x sum(context): fitted on measured steps of this machine."""
+    """t = a + b x tokens + c x sum(context) + d x prefill pairs: fitted on measured steps of this machine. The last
+    term is a prefill chunk's attention (its new tokens x their context, StepShape.prefill_pairs), which grows
+    with the chunk's context as a decode step's does not: without it, c took that growth from the prefill steps
+    and mispriced the decode steps (and the reverse)."""
     a: float
     b: float
     c: float
+    d: float = 0.0
     train_error: float = 0.0       # mean absolute % error on the steps it was fitted on
     heldout_error: float = 0.0     # ... on held-out steps
     heldout_total_error: float = 0.0  # % error of the summed time of the held-out steps
@@ -165,10 +169,11 @@ class LinearModel:
     scale: float = 1.0             # measured / fitted time over every pilot step: the stalls put back in the level
 
     def step_time(self, s: StepShape) -> float:
-        return self.scale * max(self.a + self.b * s.tokens + self.c * s.kv_tokens, 0.0)
+        return self.scale * max(self.a + self.b * s.tokens + self.c * s.kv_tokens + self.d * s.prefill_pairs, 0.0)
 
     def to_dict(self) -> dict:
-        return {"a_s": self.a, "b_s_per_token": self.b, "c_s_per_context_token": self.c, "steps": self.steps,
+        return {"a_s": self.a, "b_s_per_token": self.b, "c_s_per_context_token": self.c,
+                "d_s_per_prefill_pair": self.d, "steps": self.steps,
                 "outliers": self.outliers, "scale": round(self.scale, 4), "train_mape_pct": round(self.train_error, 2),
                 "heldout_mape_pct": round(self.heldout_error, 2),
                 "heldout_total_error_pct": round(self.heldout_total_error, 2)}
@@ -198,13 +203,15 @@ class ContextPrior:
         """The prior as one more least-squares row, w x (c - ratio x a) = 0: a Gaussian prior on c - ratio x a with
         deviation spread x ratio x a0, weighed against the steps' noise sigma (w = sigma / deviation); a0 and sigma
         come from the fit tied to the prior (c = ratio x a)."""
-        tied_x = np.c_[x[:, 0] + self.ratio * x[:, 2], x[:, 1]]
+        tied_x = np.c_[x[:, 0] + self.ratio * x[:, 2], x[:, 1], x[:, 3:]]
         tied = _nonneg_lstsq(tied_x, y)
         if tied[0] <= 0:
-            return np.zeros((0, 3)), np.zeros(0)
+            return np.zeros((0, x.shape[1])), np.zeros(0)
         sigma = _robust_sigma(y - tied_x @ tied)
         w = sigma / (self.spread * self.ratio * tied[0])
-        return np.array([[-w * self.ratio, 0.0, w]]), np.zeros(1)
+        row = np.zeros((1, x.shape[1]))
+        row[0, 0], row[0, 2] = -w * self.ratio, w
+        return row, np.zeros(1)
 
 
 def fit_linear(shapes: list[StepShape], times: list[float], holdout_every: int = 5,
@@ -215,7 +222,7 @@ def fit_linear(shapes: list[StepShape], times: list[float], holdout_every: int =
     if len(shapes) < need:
         raise ValueError(f"calibration: {len(shapes)} measured steps are too few to fit and check the step-time "
                          f"model (need at least {need}); run a longer pilot (--pilot-fraction)")
-    x = np.array([[1.0, s.tokens, s.kv_tokens] for s in shapes])
+    x = np.array([[1.0, s.tokens, s.kv_tokens, s.prefill_pairs] for s in shapes], dtype=float)
     y = np.array(times, dtype=float)
     held = (np.arange(len(y)) % holdout_every == holdout_every - 1) if holdout_every else np.zeros(len(y), bool)
     train = ~held
@@ -223,7 +230,7 @@ def fit_linear(shapes: list[StepShape], times: list[float], holdout_every: int =
     if np.ptp(x[:, 1]) == 0:
         x[:, 0], prior = 0.0, None
     for _ in range(3):   # a shared CPU stalls now and then: drop steps far off the fit (3 robust sigmas), refit
-        extra_x, extra_y = prior.row(x[train], y[train]) if prior else (np.zeros((0, 3)), np.zeros(0))
+        extra_x, extra_y = prior.row(x[train], y[train]) if prior else (np.zeros((0, x.shape[1])), np.zeros(0))
         coef = _nonneg_lstsq(np.vstack([x[train], extra_x]), np.concatenate([y[train], extra_y]))
         res = y - x @ coef
         sigma = _robust_sigma(res[train])
