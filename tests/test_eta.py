@@ -1,6 +1,7 @@
 """The job's time left: from the work left (simulated over the real scheduler with the step-time model fitted on
 the job's own steps), not from the rows left; deadline verdicts; the figures in summary.json, metrics.prom and
 status while running; a resumed run's estimate starts from the saved steps."""
+import copy
 import random
 from datetime import datetime, timedelta
 from types import SimpleNamespace
@@ -14,7 +15,7 @@ from batchrun.engine.request import Request
 from batchrun.engine.step_stats import StepShape
 from batchrun.job import Job, JobError, JobSpec
 from batchrun.job.bucketing import RowFeed
-from batchrun.job.eta import MIN_SMALL_STEPS, MIN_STEPS, EtaEstimator, OutputLengths, deadline_verdict
+from batchrun.job.eta import MIN_SMALL_STEPS, MIN_STEPS, Eta, EtaEstimator, OutputLengths, deadline_verdict
 from batchrun.sampling_params import SamplingParams
 from batchrun.stepmodel.costmodel import ContextPrior, fit_linear
 from batchrun.stepmodel.simulate import WorkItem, admission_keys, make_scheduler
@@ -260,12 +261,40 @@ def test_a_class_with_rows_of_its_own_is_not_read_through_its_neighbours():
     assert lengths.expected(0, 200, 50) > 100
 
 
-def test_deadline_verdict_flips_when_the_predicted_finish_passes_it():
+def test_deadline_verdict_reads_the_band():
     deadline = datetime.now() + timedelta(hours=2)
-    on_track, line = deadline_verdict((deadline - timedelta(minutes=30)).timestamp(), deadline, "job.yaml")
-    assert on_track and line.startswith("on track: predicted")
-    late, line = deadline_verdict((deadline + timedelta(minutes=40)).timestamp(), deadline, "job.yaml")
-    assert not late and line.startswith("late by ~40 min") and "batchrun plan job.yaml --deadline" in line
+
+    def eta(finish_in_min: float, low_min: float, high_min: float) -> Eta:
+        finish = (deadline + timedelta(minutes=finish_in_min)).timestamp()
+        left = finish - datetime.now().timestamp()
+        return Eta(left, finish, 0, left + low_min * 60, left + high_min * 60)
+    verdict, line = deadline_verdict(eta(-30, -10, 20), deadline, "job.yaml")
+    assert verdict == "on track" and line.startswith("on track: predicted")
+    verdict, line = deadline_verdict(eta(-30, -10, 40), deadline, "job.yaml")   # its p90 is 10 min past
+    assert verdict == "at risk" and line.startswith("at risk: predicted") and "batchrun plan job.yaml" in line
+    verdict, line = deadline_verdict(eta(40, -20, 30), deadline, "job.yaml")
+    assert verdict == "late" and line.startswith("late by ~40 min") and "batchrun plan job.yaml --deadline" in line
+    assert deadline_verdict(Eta(60.0, (deadline - timedelta(minutes=5)).timestamp(), 0), deadline, "j")[0] == \
+        "on track"   # no band: the point decides
+
+
+def test_the_band_holds_the_time_left_on_a_noisy_machine():
+    """Output lengths that vary (4 to 60 tokens, stopping before max_tokens) and step times that jitter by 20 %:
+    from a quarter of the rows on, the p10-p90 band holds the real time left at most points, and narrows as the
+    work is done."""
+    outputs = [4 + (i * 37) % 57 for i in range(80)]
+    job = SyntheticJob(outputs, [10 + (i * 13) % 50 for i in range(80)], jitter=0.2, max_tokens=[80] * 80)
+    held, widths = [], []
+    for rows in (20, 35, 50, 65):
+        job.run_until(rows)
+        eta = job.eta.estimate(job.scheduler, [])
+        state = (job.clock.t, job.done, job.eta)
+        truth = copy.deepcopy(job).time_to_finish()
+        assert job.clock.t == state[0]
+        held.append(eta.low <= truth <= eta.high)
+        widths.append((eta.high - eta.low) / eta.seconds_left)
+    assert sum(held) >= 3, (held, widths)
+    assert widths[-1] < widths[0], widths
 
 
 def test_deadline_values():

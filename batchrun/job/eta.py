@@ -22,7 +22,8 @@ from datetime import datetime
 
 import numpy as np
 
-from batchrun.admission_order import PILOT_MIN_ROWS, length_class
+from batchrun.job.eta_band import band, length_spread, step_spread
+from batchrun.job.output_lengths import KEEP, OutputLengths
 from batchrun.stepmodel.costmodel import ContextPrior, LinearModel, ModelSpec, StepShape, fit_linear
 from batchrun.stepmodel.simulate import WorkItem, simulate, timeline
 
@@ -31,7 +32,6 @@ WARMUP_STEPS = 2          # a run's first steps pay one-off costs (allocation, c
 MIN_STEPS = 8             # steps needed before the first fit (a young fit is damped by the median of three)
 MIN_SMALL_STEPS = 4       # steps of at most half the largest step's tokens before the fit prices such steps
 UNSEEN_SHARE = 0.25       # until then, the most of a simulation's steps that may be such steps
-KEEP = 4096               # recent steps and finished lengths kept (and saved for a resumed run)
 MAX_SIMULATED = 2000      # rows not started beyond this are simulated as an evenly spaced sample, scaled up
 SIM_COST_SHARE = 0.02     # re-simulate at most so often that simulating costs <= 2% of the job's time
 
@@ -41,71 +41,14 @@ class Eta:
     seconds_left: float
     finish_at: float            # epoch seconds
     output_tokens_left: int     # expected, with the observed output lengths
+    low: float | None = None    # p10 and p90 of the seconds left (eta_band), None when not known
+    high: float | None = None
 
-
-class KaplanMeier:
-    """The distribution of a row's natural output length (in tokens: where it would stop with no max_tokens) from
-    rows that stopped (events) and rows known only to run at least so far (censored: those cut by their
-    max_tokens, and those still running). The mass beyond every observation is unbounded: any max_tokens cuts it."""
-
-    def __init__(self, events: list[int], censored: list[int]):
-        events, censored = np.sort(np.array(events, dtype=float)), np.sort(np.array(censored, dtype=float))
-        values, deaths = np.unique(events, return_counts=True)
-        # a row censored at n ran at least n tokens: it is at risk at every length up to n
-        at_risk = (len(events) - np.searchsorted(events, values, side="left")
-                   + len(censored) - np.searchsorted(censored, values, side="left"))
-        survival = np.cumprod(1 - deaths / at_risk)
-        self.values = values
-        self.mass = -np.diff(np.concatenate([[1.0], survival]))
-        self.tail = survival[-1] if len(survival) else 1.0
-
-    def expected(self, generated: int, max_tokens: int) -> float:
-        """E[min(length, max_tokens) | length > generated]."""
-        above = self.values > generated
-        values, mass = self.values[above], self.mass[above]
-        total = mass.sum() + self.tail
-        if total <= 1e-12:
-            return float(max_tokens)
-        return float((np.minimum(values, max_tokens) * mass).sum() + max_tokens * self.tail) / total
-
-
-class OutputLengths:
-    """Output lengths by prompt length (a question and an article to summarise stop at different points, and
-    bucketing runs them at different times). Lengths in tokens, not as a share of max_tokens: a row with a large
-    max_tokens is most often one that stops early, so a share would price it at what rows cut by a small max_tokens
-    did. Finished rows that stopped are observations; rows cut by max_tokens and running rows are censored ones."""
-
-    MIN_EVENTS = PILOT_MIN_ROWS   # finished rows of a class (or it and its neighbours) for its own distribution
-
-    def __init__(self, finished: list[tuple[int, int, bool]] = ()):
-        # (prompt tokens, tokens generated, cut by max_tokens)
-        self.finished: deque[tuple[int, int, bool]] = deque(map(tuple, finished), maxlen=KEEP)
-        self._all = KaplanMeier([], [])               # nothing observed yet: every row runs to max_tokens
-        self._by_class: dict[int, KaplanMeier] = {}
-
-    def fit(self, running: list[tuple[int, int]]) -> None:
-        """running: (prompt tokens, tokens generated so far) of the rows in the engine."""
-        finished = [(length_class(p), n, cut) for p, n, cut in self.finished]
-        censored = [(length_class(p), n, True) for p, n in running]
-
-        def km(rows) -> KaplanMeier:
-            return KaplanMeier([n for _, n, cut in rows if not cut], [n for _, n, cut in rows if cut])
-
-        self._all = km(finished + censored)
-        self._by_class = {}
-        for c in {k for k, _, _ in finished}:
-            # the class's own rows once there are enough: a neighbour's rows, often all cut by their max_tokens,
-            # would count as rows still running at every length below their cut and push the class's lengths up
-            for reach in (0, 1):
-                near = [row for row in finished if abs(row[0] - c) <= reach]
-                if len(near) >= self.MIN_EVENTS:
-                    self._by_class[c] = km(near + [row for row in censored if abs(row[0] - c) <= reach])
-                    break
-
-    def expected(self, generated: int, max_tokens: int, prompt_tokens: int) -> int:
-        """Expected total output tokens of a row that has generated `generated` without stopping."""
-        km = self._by_class.get(length_class(prompt_tokens), self._all)
-        return min(max_tokens, max(generated + 1, round(km.expected(generated, max_tokens))))
+    def aged(self, seconds: float) -> "Eta":
+        """The same estimate `seconds` later (the finish time stays)."""
+        def left(x):
+            return None if x is None else max(0.0, x - seconds)
+        return Eta(left(self.seconds_left), self.finish_at, self.output_tokens_left, left(self.low), left(self.high))
 
 
 class EtaEstimator:
@@ -127,6 +70,7 @@ class EtaEstimator:
         self.prompt_sample: list[tuple[int, int]] = []       # (prompt tokens, max_tokens) of rows read, a reservoir
         self.rows_read = 0
         self._random = random.Random(0)
+        self._bootstrap = random.Random(1)                   # the band's resamples (eta_band)
         self._run_steps, self._run_step_s = 0, 0.0
         self._run_start: float | None = None
         self._last: tuple[float, Eta] | None = None          # (clock at the simulation, its estimate)
@@ -186,8 +130,7 @@ class EtaEstimator:
         if self._last is None:
             return None
         at, eta = self._last
-        left = max(0.0, eta.seconds_left - (now - at))
-        return Eta(left, eta.finish_at, eta.output_tokens_left)
+        return eta.aged(now - at)
 
     def _resimulate(self, now: float, scheduler, queued) -> None:
         fitted = self._fit()
@@ -212,7 +155,10 @@ class EtaEstimator:
         # one fit on a young or noisy record can be far off: report the median of the last three, each aged to now
         self._recent.append((now, eta.seconds_left))
         left = float(np.median([seconds - (now - at) for at, seconds in self._recent]))
-        self._last = (now, Eta(left, self.wall_clock() + left, eta.output_tokens_left))
+        scale = left / eta.seconds_left if eta.seconds_left > 0 else 1.0   # the band moves with the point
+        self._last = (now, Eta(left, self.wall_clock() + left, eta.output_tokens_left,
+                               None if eta.low is None else eta.low * scale,
+                               None if eta.high is None else eta.high * scale))
 
     def _fit(self) -> tuple[LinearModel, float] | None:
         """The step-time model from the recorded steps, and the step size (tokens) up to which it has not seen enough
@@ -231,15 +177,19 @@ class EtaEstimator:
         if self._run_steps >= MIN_STEPS and self._run_step_s > 0:
             self.overhead = max(1.0, (self.clock() - self._run_start) / self._run_step_s)
         half = max(shape.tokens for shape in shapes) / 2
-        return model, (half if sum(shape.tokens <= half for shape in shapes) < MIN_SMALL_STEPS else 0)
+        return (model, (half if sum(shape.tokens <= half for shape in shapes) < MIN_SMALL_STEPS else 0),
+                step_spread(model, shapes, times))
 
-    def _simulate(self, model: LinearModel, unseen_up_to: float, running, waiting, queued) -> Eta | None:
+    def _simulate(self, model: LinearModel, unseen_up_to: float, steps_spread: tuple[float, float], running,
+                  waiting, queued_rows) -> Eta | None:
         """None when more than UNSEEN_SHARE of the simulated steps are of a size the model has not seen enough of."""
-        self.lengths.fit([(r.num_prompt_tokens, len(r.output_token_ids)) for r in running])
+        in_engine = [(r.num_prompt_tokens, len(r.output_token_ids)) for r in running]
+        self.lengths.fit(in_engine)
+        queued_rows = list(queued_rows)
         fresh = functools.lru_cache(maxsize=None)(functools.partial(self.lengths.expected, 0))   # (max_tokens, prompt)
         started = [WorkItem(r.num_tokens, self._left(r), r.num_computed_tokens) for r in running]
         started += [WorkItem(r.num_tokens, self._left(r)) for r in waiting]
-        queued = [WorkItem(len(row.token_ids), fresh(row.params.max_tokens, len(row.token_ids))) for row in queued]
+        queued = [WorkItem(len(row.token_ids), fresh(row.params.max_tokens, len(row.token_ids))) for row in queued_rows]
         unread = max(0, self.rows_to_read - self.rows_read)
         pending = len(queued) + unread
         stride = max(1, math.ceil(pending / MAX_SIMULATED))
@@ -255,23 +205,29 @@ class EtaEstimator:
         if stride > 1:   # the rows left out cost what the sample cost while rows were still being admitted
             seconds += (pending / len(sample) - 1) * (line.makespan_s - line.drain_s) * len(sample) / len(items)
         seconds *= self.overhead
-        tokens = sum(i.output_tokens for i in started) + round(
-            sum(i.output_tokens for i in sample) * pending / max(len(sample), 1))
-        return Eta(seconds, self.wall_clock() + seconds, tokens)
+        weight = pending / max(len(sample), 1)
+        tokens = sum(i.output_tokens for i in started) + round(sum(i.output_tokens for i in sample) * weight)
+        rows = [(len(r.output_token_ids), r.params.max_tokens, r.num_prompt_tokens, 1.0) for r in running + waiting]
+        rows += [(0, row.params.max_tokens, len(row.token_ids), weight) for row in queued_rows[::stride]]
+        rows += [(0, m, p, weight) for p, m in self._unread_keys(unread, stride)]
+        low, high = band(seconds, length_spread(self.lengths, in_engine, rows, self._bootstrap), steps_spread)
+        return Eta(seconds, self.wall_clock() + seconds, tokens, low, high)
 
     def _left(self, request) -> int:
         """Expected output tokens still to come for a request in the engine."""
         generated = len(request.output_token_ids)
         return self.lengths.expected(generated, request.params.max_tokens, request.num_prompt_tokens) - generated
 
+    def _unread_keys(self, count: int, stride: int) -> list[tuple[int, int]]:
+        """(prompt tokens, max_tokens) of every stride-th row not read yet, cycled from the rows read."""
+        sample = self.prompt_sample
+        return [sample[i % len(sample)] for i in range(math.ceil(count / stride))] if count and sample else []
+
     def _unread_sample(self, count: int, stride: int, fresh) -> list[WorkItem]:
         """Every stride-th row not read yet, as the feed will admit them: prompt lengths cycled from the rows read,
         sorted within each window when bucketing."""
-        if not count or not self.prompt_sample:
-            return []
-        sample, window = self.prompt_sample, max(1, self.window // stride)
-        items = [WorkItem(p, fresh(m, p))
-                 for p, m in (sample[i % len(sample)] for i in range(math.ceil(count / stride)))]
+        window = max(1, self.window // stride)
+        items = [WorkItem(p, fresh(m, p)) for p, m in self._unread_keys(count, stride)]
         if self.bucketing:
             for start in range(0, len(items), window):
                 items[start:start + window] = sorted(items[start:start + window], key=lambda i: i.prompt,
@@ -297,13 +253,21 @@ def duration_text(seconds: float) -> str:
     return f"{minutes // 60}h{minutes % 60:02d}" if minutes >= 60 else f"{minutes} min"
 
 
-def deadline_verdict(finish_at: float, deadline: datetime, job_path: str) -> tuple[bool, str]:
-    """(on track, a line for the log)."""
+def deadline_verdict(eta: Eta, deadline: datetime, job_path: str) -> tuple[str, str]:
+    """("on track" | "at risk" | "late", a line for the log): on track when even the band's late end (p90) is by
+    the deadline, late when even its early end (p10) is past it, at risk between."""
     now = datetime.now()
-    predicted = datetime.fromtimestamp(finish_at)
-    if predicted <= deadline:
-        return True, f"on track: predicted {clock_text(predicted, now)}, deadline {clock_text(deadline, now)}"
-    late = (predicted - deadline).total_seconds()
-    return False, (f"late by ~{duration_text(late)} at this rate (deadline {clock_text(deadline, now)}): "
-                   f"`batchrun plan {job_path} --deadline {deadline.isoformat(timespec='minutes')}` suggests the "
-                   f"GPUs that finish in time")
+    predicted = datetime.fromtimestamp(eta.finish_at)
+    early = datetime.fromtimestamp(eta.finish_at - eta.seconds_left + (eta.low if eta.low is not None
+                                                                       else eta.seconds_left))
+    late_end = datetime.fromtimestamp(eta.finish_at - eta.seconds_left + (eta.high if eta.high is not None
+                                                                          else eta.seconds_left))
+    plan = (f"`batchrun plan {job_path} --deadline {deadline.isoformat(timespec='minutes')}` suggests the GPUs that "
+            f"finish in time")
+    if late_end <= deadline:
+        return "on track", f"on track: predicted {clock_text(predicted, now)}, deadline {clock_text(deadline, now)}"
+    if early > deadline:
+        late = (predicted - deadline).total_seconds()
+        return "late", f"late by ~{duration_text(late)} at this rate (deadline {clock_text(deadline, now)}): {plan}"
+    return "at risk", (f"at risk: predicted {clock_text(predicted, now)} (p90 {clock_text(late_end, now)}), "
+                       f"deadline {clock_text(deadline, now)}: {plan}")

@@ -66,20 +66,19 @@ class Progress:
     def time_left(self) -> str:
         if self.eta is None:
             return "time left ? (fitting the step time)"
-        finish = datetime.fromtimestamp(self.eta.finish_at)
-        return f"time left {duration_text(self.eta.seconds_left)} (finish {clock_text(finish, datetime.now())})"
+        eta, finish = self.eta, datetime.fromtimestamp(self.eta.finish_at)
+        spread = f"{duration_text(eta.low)}-{duration_text(eta.high)}, " if eta.low is not None else ""
+        return f"time left ~{duration_text(eta.seconds_left)} ({spread}finish {clock_text(finish, datetime.now())})"
 
-    def verdict(self) -> tuple[bool, str] | None:
+    def verdict(self) -> tuple[str, str] | None:
         if self.eta is None or self.deadline is None:
             return None
-        return deadline_verdict(self.eta.finish_at, self.deadline, self.job_path)
+        return deadline_verdict(self.eta, self.deadline, self.job_path)
 
     def estimate(self) -> Estimate:
         """The estimate for summary.json and metrics.prom."""
         verdict, eta = self.verdict(), self.eta
-        return Estimate.of(None if eta is None else eta.seconds_left, None if eta is None else eta.finish_at,
-                           None if eta is None else eta.output_tokens_left, self.deadline,
-                           None if verdict is None else verdict[0])
+        return Estimate.of(eta, self.deadline, None if verdict is None else verdict[0])
 
     def close(self) -> None:
         if self.bar is not None:

@@ -14,8 +14,8 @@ from batchrun.job.sink import ShardStore
 
 log = logging.getLogger("batchrun.job")
 ETA_STATE = "eta_state.json"
-ESTIMATE_FIELDS = ("eta_seconds", "predicted_finish", "predicted_finish_timestamp", "expected_output_tokens_left",
-                   "deadline", "on_track", "output_tokens_per_s")
+ESTIMATE_FIELDS = ("eta_seconds", "eta_seconds_p10", "eta_seconds_p90", "predicted_finish", "predicted_finish_timestamp",
+                   "expected_output_tokens_left", "deadline", "on_track", "deadline_verdict", "output_tokens_per_s")
 
 
 def read_state(out_dir: str) -> dict | None:
@@ -91,6 +91,10 @@ def write_metrics(path: str, s: dict) -> None:
          [({}, s["exit_code"])]),
         ("batchrun_job_eta_seconds", "Predicted seconds until the job is done (0 when done; NaN when not known).",
          [({}, s.get("eta_seconds"))]),
+        ("batchrun_job_eta_seconds_p10", "The early end (p10) of the band around eta_seconds.",
+         [({}, s.get("eta_seconds_p10"))]),
+        ("batchrun_job_eta_seconds_p90", "The late end (p90) of the band around eta_seconds.",
+         [({}, s.get("eta_seconds_p90"))]),
         ("batchrun_job_predicted_finish_timestamp", "Predicted finish time, Unix seconds (NaN when not known).",
          [({}, s.get("predicted_finish_timestamp"))]),
         ("batchrun_job_on_track", "1 when the predicted finish is before the job's deadline, else 0 (NaN without "

@@ -14,26 +14,38 @@ def _iso(timestamp: float) -> str:
 class Estimate:
     """When the job will finish, as summary.json, metrics.prom and `batchrun status` show it (None: not known)."""
     eta_seconds: float | None = None
+    eta_seconds_p10: float | None = None      # the band around it (eta_band)
+    eta_seconds_p90: float | None = None
     predicted_finish: str | None = None
     predicted_finish_timestamp: float | None = None
     expected_output_tokens_left: int | None = None
     deadline: str | None = None
-    on_track: bool | None = None
+    on_track: bool | None = None              # the point estimate is by the deadline
+    deadline_verdict: str | None = None       # on track (the band's p90 is by it) | at risk | late (its p10 is past)
 
     @classmethod
-    def of(cls, seconds_left: float | None, finish_at: float | None, tokens_left: int | None,
-           deadline: datetime | None, on_track: bool | None) -> "Estimate":
-        return cls(None if seconds_left is None else round(seconds_left, 1),
-                   None if finish_at is None else _iso(finish_at),
-                   None if finish_at is None else round(finish_at, 1), tokens_left,
-                   None if deadline is None else deadline.astimezone().isoformat(timespec="minutes"), on_track)
+    def of(cls, eta, deadline: datetime | None, verdict: str | None) -> "Estimate":
+        """From an eta.Eta (None: no estimate yet)."""
+        shown = None if deadline is None else deadline.astimezone().isoformat(timespec="minutes")
+        if eta is None:
+            return cls(deadline=shown)
+        return cls(round(eta.seconds_left, 1), _round(eta.low), _round(eta.high), _iso(eta.finish_at),
+                   round(eta.finish_at, 1), eta.output_tokens_left, shown,
+                   None if deadline is None else eta.finish_at <= deadline.timestamp(), verdict)
 
     @classmethod
     def at_end(cls, now: float, deadline: datetime | None, stopped: bool) -> "Estimate":
         """A run that ended: done now (on track if by the deadline), or stopped (nothing known)."""
+        shown = None if deadline is None else deadline.astimezone().isoformat(timespec="minutes")
         if stopped:
-            return cls.of(None, None, None, deadline, None)
-        return cls.of(0.0, now, None, deadline, None if deadline is None else now <= deadline.timestamp())
+            return cls(deadline=shown)
+        on_track = None if deadline is None else now <= deadline.timestamp()
+        return cls(0.0, 0.0, 0.0, _iso(now), round(now, 1), None, shown, on_track,
+                   None if on_track is None else "on track" if on_track else "late")
+
+
+def _round(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 1)
 
 
 @dataclass

@@ -1,0 +1,66 @@
+"""How sure the time left is: a p10-p90 band around the point estimate, from the two things it rests on.
+
+- Output lengths: the finished rows are a sample. Resampling them (bootstrap) and asking again how many output tokens
+  are left gives the spread of that count; the time left follows it (a step's cost is per token).
+- The step-time model: the measured time of blocks of recent consecutive steps against what the model priced them
+  at, the machine's swings (a shared CPU) and the fit's misses at the scale of a few seconds.
+
+The two are taken as independent and added in quadrature, each side separately.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import random
+
+import numpy as np
+
+from batchrun.job.output_lengths import OutputLengths
+from batchrun.stepmodel.costmodel import LinearModel, StepShape
+
+REPLICATES = 16        # bootstrap resamples of the finished rows
+STEP_BLOCK = 20        # consecutive steps per block of the step model's error
+RECENT_STEPS = 400     # the steps the model's error is read from
+
+
+def length_spread(lengths: OutputLengths, running: list[tuple[int, int]], rows: list[tuple[int, int, int, float]],
+                  rng: random.Random) -> tuple[float, float]:
+    """p10 and p90 of (output tokens left with the finished rows resampled) / (with the rows themselves). rows:
+    (generated, max_tokens, prompt tokens, weight) of every row left; running: as OutputLengths.fit takes it."""
+    finished = list(lengths.finished)
+    if len(finished) < 2:
+        return 1.0, 1.0
+
+    def tokens_left(model: OutputLengths) -> float:
+        expected = functools.lru_cache(maxsize=None)(model.expected)
+        return sum(w * (expected(g, m, p) - g) for g, m, p, w in rows)
+
+    base = tokens_left(lengths)
+    if base <= 0:
+        return 1.0, 1.0
+    ratios = []
+    for _ in range(REPLICATES):
+        resampled = OutputLengths(rng.choices(finished, k=len(finished)))
+        resampled.fit(running)
+        ratios.append(tokens_left(resampled) / base)
+    return float(np.quantile(ratios, 0.1)), float(np.quantile(ratios, 0.9))
+
+
+def step_spread(model: LinearModel, shapes: list[StepShape], times: list[float]) -> tuple[float, float]:
+    """p10 and p90 of measured / priced time over blocks of consecutive recent steps."""
+    shapes, times = shapes[-RECENT_STEPS:], times[-RECENT_STEPS:]
+    ratios = []
+    for start in range(0, len(shapes) - STEP_BLOCK + 1, STEP_BLOCK):
+        priced = sum(model.step_time(s) for s in shapes[start:start + STEP_BLOCK])
+        if priced > 0:
+            ratios.append(sum(times[start:start + STEP_BLOCK]) / priced)
+    if len(ratios) < 2:
+        return 1.0, 1.0
+    return float(np.quantile(ratios, 0.1)), float(np.quantile(ratios, 0.9))
+
+
+def band(seconds: float, lengths: tuple[float, float], steps: tuple[float, float]) -> tuple[float, float]:
+    """(p10, p90) seconds left around the point estimate."""
+    below = math.hypot(max(0.0, 1 - lengths[0]), max(0.0, 1 - steps[0]))
+    above = math.hypot(max(0.0, lengths[1] - 1), max(0.0, steps[1] - 1))
+    return seconds * max(0.0, 1 - below), seconds * (1 + above)
