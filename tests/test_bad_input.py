@@ -49,7 +49,7 @@ def test_bad_request_fails_alone(tiny_llm):
                              use_tqdm=False)
     assert [o.finish_reason for o in outs] == ["length", "error", "error", "error", "length"]
     assert "600 tokens does not fit the context of 512" in outs[1].error
-    assert "empty prompt" in outs[2].error and "token ids must be in" in outs[3].error
+    assert "empty prompt" in outs[2].error and "token ids must be integers in" in outs[3].error
 
 
 def test_pool_smaller_than_one_request_at_max_context(tiny_model):
@@ -58,3 +58,11 @@ def test_pool_smaller_than_one_request_at_max_context(tiny_model):
                                          r"context \(512 tokens.*lower max_model_len to at most 64"):
         LLM(model=tiny_model[0], block_size=4, kv_cache_memory=512 * 64)
     LLM(model=tiny_model[0], block_size=4, kv_cache_memory=512 * 64, max_model_len=64)
+
+
+def test_token_ids_that_are_not_integers_fail_their_request_alone(tiny_llm):
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    for bad in ([1.5, 2], [True, 3], [2**70]):
+        request = tiny_llm.engine.add_request(bad, params)
+        assert request.finish_reason == "error" and "token ids must be integers" in request.error
+    assert [o.finish_reason for o in tiny_llm.generate([[5, 6]], params, use_tqdm=False)] == ["length"]

@@ -174,8 +174,8 @@ class Engine:
         vocab = self.hf_config.vocab_size
         if n == 0:
             return "prompt: empty prompt"
-        if any(not 0 <= t < vocab for t in request.prompt_token_ids):
-            return f"prompt: token ids must be in [0, {vocab})"
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in request.prompt_token_ids):
+            return f"prompt: token ids must be integers in [0, {vocab})"
         if n >= self.max_model_len:
             return f"prompt: {n} tokens does not fit the context of {self.max_model_len} tokens (max_model_len)"
         return None   # the pool holds one request at max context (checked at start-up): it always fits alone
