@@ -1,6 +1,7 @@
 """The package's floors: each part imports only parts on floors below it (or its own), so the import graph has no
 circle and no arrow that runs back up. A new module names its floor here."""
 import ast
+import fnmatch
 import os
 
 import batchrun
@@ -54,3 +55,16 @@ def test_every_import_runs_down_the_floors():
                                   f"(floor {floor[target]})")
     assert not unplaced, f"parts with no floor in FLOORS: {sorted(unplaced)}"
     assert not upward, "\n".join(upward)
+
+
+def test_every_subpackage_is_packaged():
+    """A subpackage missing from pyproject's list works in the editable install of a checkout and is absent from a
+    wheel (batchrun.stepmodel was, with its gpus.yaml)."""
+    import tomllib
+    config = tomllib.load(open(os.path.join(ROOT, "..", "pyproject.toml"), "rb"))["tool"]["setuptools"]
+    found = {"batchrun." + os.path.relpath(d, ROOT).replace(os.sep, ".") for d, _, files in os.walk(ROOT)
+             if any(f.endswith(".py") for f in files) and d != ROOT} | {"batchrun"}   # engine/ has no __init__
+    assert set(config["packages"]) == found
+    data = {name for patterns in config.get("package-data", {}).values() for name in patterns}
+    shipped = {name for d, _, files in os.walk(ROOT) for name in files if name.endswith((".yaml", ".json", ".cpp"))}
+    assert all(any(fnmatch.fnmatch(name, pattern) for pattern in data) for name in shipped), shipped
