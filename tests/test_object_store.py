@@ -193,7 +193,7 @@ def test_an_expired_lock_is_taken_over(s3, tmp_path, tiny_model):
 
 @pytest.mark.parametrize("case", ["unknown scheme", "unknown input scheme", "missing credentials", "wrong secret",
                                   "bucket not found", "read-only credentials", "credentials in the URI",
-                                  "secret in storage options", "missing input object"])
+                                  "secret in storage options", "unknown storage option", "missing input object"])
 def test_refused_before_any_work_naming_the_path(s3, tmp_path, tiny_model, case):
     write_prompts(tmp_path / "in.parquet", 4)
     out, env, sections = f"{s3.uri}/out", env_for(s3.endpoint), {}
@@ -215,6 +215,8 @@ def test_refused_before_any_work_naming_the_path(s3, tmp_path, tiny_model, case)
     elif case == "secret in storage options":
         sections["storage"], field = {"options": {"secret_key": "options-secret"}}, "storage.options.secret_key"
         expect = "credentials are not accepted in the job file"
+    elif case == "unknown storage option":
+        sections["storage"], expect = {"options": {"regoin": "eu-west-1"}}, "storage.options: "
     elif case == "missing input object":
         sections["input_path"], field, expect = f"{s3.uri}/nothing-here.parquet", "input.path", "no input file at"
     run = submit(write_job(tmp_path, tiny_model[0], output={"path": out}, **sections), env)

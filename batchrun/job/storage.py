@@ -88,6 +88,13 @@ def _cached(name: str, authority: str, options: str, env: tuple) -> tuple:
 
 
 def _open(uri: str, name: str, options: dict) -> tuple[pafs.FileSystem, Callable[[str], str]]:
+    try:
+        return _construct(uri, name, options)
+    except (TypeError, ValueError) as exc:   # an option the filesystem does not take, or a bad value
+        raise StorageError(f"storage.options: {exc}") from None
+
+
+def _construct(uri: str, name: str, options: dict) -> tuple[pafs.FileSystem, Callable[[str], str]]:
     after_scheme = lambda u: u[len(name) + 3:].rstrip("/")   # noqa: E731
     if name == "s3":
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
