@@ -28,7 +28,8 @@ _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 # keys that hold a secret in pyarrow's or fsspec's filesystems: credentials come from the environment only
 SECRET_OPTIONS = ("access_key", "secret_key", "session_token", "key", "secret", "token", "password",
                   "account_key", "sas_token", "credential", "credentials", "client_secret")
-# what decides which credentials pyarrow and fsspec pick up (a filesystem is cached per value of these)
+# what decides which credentials pyarrow and fsspec pick up (a filesystem is cached per value of these; the cache
+# key lives in this process's memory only)
 _ENV_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_REGION",
              "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "GOOGLE_APPLICATION_CREDENTIALS")
 
@@ -107,7 +108,7 @@ def _construct(uri: str, name: str, options: dict) -> tuple[pafs.FileSystem, Cal
         try:
             fs, _ = pafs.FileSystem.from_uri(uri)
             return fs, lambda u: pafs.FileSystem.from_uri(u)[1]
-        except Exception:   # noqa: BLE001  (pyarrow does not know the scheme, or cannot open it: try fsspec)
+        except (ValueError, NotImplementedError, OSError):   # pyarrow does not know the scheme or cannot open it
             pass
     try:
         import fsspec
