@@ -96,6 +96,8 @@ def test_parquet_prefix_in_and_out_on_s3_equal_to_a_local_run(s3, tmp_path, tiny
     assert summary["rows_ok"] == 20 and summary["rows_remaining"] == 0
     status = Job.from_yaml(job).status()
     assert status["state"] == "done" and status["rows_done"] == 20 and status["output"] == f"{s3.uri}/out"
+    report = Job.from_yaml(job).validate()
+    assert report["output"] == f"{s3.uri}/out" and report["output_state"].startswith("resume: 20 rows done")
     # a glob input and a schema file on s3 give the same rows
     glob_job = write_job(tmp_path, tiny_model[0], name="glob", input_path=f"{s3.uri}/in/part-*.parquet",
                          output={"path": f"{s3.uri}/glob"}, sampling={"json_schema_file": f"{s3.uri}/schema.json"})
