@@ -96,7 +96,9 @@ _RESTART = click.option("--restart", is_flag=True,
 @click.option("--replicas", metavar="N|[MIN,MAX]", help="Sets executor.replicas (Ray engine replicas).")
 @click.option("--address", metavar="ADDRESS", help="Sets executor.address: auto, ray://HOST:10001 or HOST:6379 "
               "(default: start a local Ray on 127.0.0.1).")
-def submit(job, overrides, restart, progress, serve_address, api_key, executor, replicas, address) -> None:
+@click.option("--force", is_flag=True, help="Run on an object store where batchrun cannot take the job's lock (no "
+              "conditional PUT: any scheme but s3://); make sure no other submit of the job runs.")
+def submit(job, overrides, restart, progress, serve_address, api_key, executor, replicas, address, force) -> None:
     from batchrun.job import Job, JobError
     flags = {"kind": executor, "replicas": replicas, "address": address}
     overrides = [*overrides, *(f"executor.{key}={value}" for key, value in flags.items() if value is not None)]
@@ -105,7 +107,7 @@ def submit(job, overrides, restart, progress, serve_address, api_key, executor, 
     except JobError as exc:
         _fail(exc)
     _run_job(job_, restart, progress,
-             _serve_beside(serve_address, api_key, job_.spec.model) if serve_address else None)
+             _serve_beside(serve_address, api_key, job_.spec.model) if serve_address else None, force=force)
 
 
 # generate's flags and the job fields they set (an error names the field and the flag)
@@ -173,12 +175,12 @@ def _absorb_signals() -> None:
             signal.signal(sig, signal.SIG_IGN)
 
 
-def _run_job(job_, restart: bool, progress: str, serve=None, preview: int = 0) -> None:
+def _run_job(job_, restart: bool, progress: str, serve=None, preview: int = 0, force: bool = False) -> None:
     """Run or resume the job, print its first `preview` results and a summary line, exit with its code."""
     from batchrun.job import JobError
     from batchrun.job.errors import EXIT_INTERRUPTED
     try:
-        result = job_.run(restart=restart, progress=progress, serve=serve)
+        result = job_.run(restart=restart, progress=progress, serve=serve, force=force)
     except JobError as exc:
         _fail(exc)
     except KeyboardInterrupt:

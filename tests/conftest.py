@@ -79,3 +79,16 @@ def reference_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
 def random_prompts(lengths, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A SeaweedFS S3 server on 127.0.0.1 (tests/s3kit.py); skipped with the reason when it cannot start."""
+    from s3kit import S3Server, ServerUnavailable
+    server = S3Server(str(tmp_path_factory.mktemp("seaweedfs")))
+    try:
+        server.start()
+    except ServerUnavailable as exc:
+        pytest.skip(str(exc))
+    yield server
+    server.stop()

@@ -9,7 +9,8 @@ import pyarrow as pa
 from batchrun.job.prepare import open_source
 from batchrun.job.report import ESTIMATE_FIELDS, counts, read_json, read_state
 from batchrun.job.runner import JobRunner
-from batchrun.job.sink import JobLock, ShardStore
+from batchrun.job.object_lock import ObjectLock
+from batchrun.job.sink import JobLock, shard_store
 from batchrun.job.spec import JobSpec
 
 
@@ -22,7 +23,8 @@ class JobResult:
     def table(self, input_order: bool = True, with_input: bool = False) -> pa.Table:
         """All result rows (every run of the job), by default in input order. with_input: the input's columns
         joined on (those the result also has are prefixed 'input_')."""
-        table = ShardStore(self.output_dir).read()
+        out = self.spec.output_storage() if self.spec is not None else self.output_dir
+        table = shard_store(out).read()
         if table is None:
             table = pa.table({"row_index": pa.array([], pa.int64())})
         if with_input:
@@ -69,34 +71,38 @@ class Job:
     def output_dir(self) -> str:
         return self.spec.resolve(self.spec.output.path)
 
-    def run(self, restart: bool = False, progress: str = "auto", serve=None, executor: str | None = None) -> JobResult:
+    def run(self, restart: bool = False, progress: str = "auto", serve=None, executor: str | None = None,
+            force: bool = False) -> JobResult:
         """Run to completion or resume; progress: auto (a bar on a terminal or in Jupyter), bar, or log. An interrupt
         (Ctrl-C, a kernel interrupt, SIGTERM) stops admission and saves the finished rows: the result's status is
         then "interrupted", and running again resumes. serve: an optional llm -> context manager that serves HTTP on
         the job's engine (batchrun.server.ServeBesideJob). executor: "local" or "ray" over the job's executor.kind
-        (the rest of its executor section applies)."""
+        (the rest of its executor section applies). force: run on an object store where batchrun cannot take the
+        job's lock (no conditional PUT); the caller then makes sure no other submit of the job runs."""
         if executor is not None:
             self.spec.set_executor_kind(executor, "run(executor=...)")
         runner = JobRunner
         if self.spec.executor.kind == "ray":
             from batchrun.job.ray_executor import RayJobRunner as runner
-        return JobResult(*runner(self.spec, restart, progress, serve).run(), spec=self.spec)
+        return JobResult(*runner(self.spec, restart, progress, serve, force).run(), spec=self.spec)
 
     def validate(self) -> dict:
         from batchrun.job.validate import validate
         return validate(self.spec)
 
     def status(self) -> dict:
-        """Done, failed and remaining rows from the output directory (nothing is loaded)."""
+        """Done, failed and remaining rows from the output directory (nothing is loaded; on an object store one
+        listing of the shards' manifest entries)."""
         out = self.output_dir
-        state = read_state(out) if os.path.isdir(out) else None
+        storage = self.spec.output_storage()
+        state = read_state(storage) if not storage.local or os.path.isdir(out) else None
         if state is None:
             return {"state": "not started", "output": out}
-        running = JobLock.held(out)
-        c = counts(out)
+        running = JobLock.held(out) if storage.local else ObjectLock.held(storage)
+        c = counts(storage)
         status = {"state": "running" if running else "done" if c["rows_remaining"] == 0 else "stopped",
                   "output": out, "identity": state["identity"], **c}
         if running:   # the running job's latest estimate (summary.json is refreshed every output.log_every_s)
-            summary = read_json(out, "summary.json") or {}
+            summary = read_json(storage, "summary.json") or {}
             status.update({k: summary.get(k) for k in ESTIMATE_FIELDS if k in summary})
         return status

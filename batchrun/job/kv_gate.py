@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 
 from batchrun.job import prepare
-from batchrun.job.atomic import atomic_write
 from batchrun.job.errors import EXIT_GATE_FAILED, JobError
 from batchrun.job.prompts import PromptEncoder
 from batchrun.job.spec import JobSpec
+from batchrun.job.storage import Storage, as_storage
 from batchrun.kvcheck import KVCheckReport, run_kvcheck
 
 log = logging.getLogger("batchrun.job")
@@ -54,20 +53,16 @@ def kvcheck(spec: JobSpec, n: int, kv_cache_dtype: str | None = None) -> KVCheck
     return run_kvcheck(make_llm, prompts, params, dtype)
 
 
-def saved_decision(out_dir: str) -> dict | None:
-    path = os.path.join(out_dir, DECISION_FILE)
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
+def saved_decision(out_dir: Storage | str) -> dict | None:
+    text = as_storage(out_dir).read_text(DECISION_FILE)
+    return None if text is None else json.loads(text)
 
 
-def decide(spec: JobSpec, out_dir: str) -> dict:
+def decide(spec: JobSpec, out_dir: Storage | str) -> dict:
     """Engine options for the run after the gate (unchanged when there is no gate or no 8-bit KV)."""
     options, gate = dict(spec.engine_options), spec.kv_quality_gate
     if not gate.sample or options.get("kv_cache_dtype") not in QUANTIZED:
         return options
-    path = os.path.join(out_dir, DECISION_FILE)
     decision = saved_decision(out_dir)
     if decision is None:
         report = kvcheck(spec, gate.sample)
@@ -78,7 +73,7 @@ def decide(spec: JobSpec, out_dir: str) -> dict:
         decision = {"report": report.as_dict(), "passed": passed, "action": action, "reason": reason,
                     "kv_cache_dtype": options["kv_cache_dtype"] if passed or action == "stop"
                     else gate.fallback_dtype}
-        atomic_write(path, json.dumps(decision, indent=2))
+        as_storage(out_dir).write(DECISION_FILE, json.dumps(decision, indent=2))
     log.info("KV quality gate: %s -> %s (%s)", decision["reason"], decision["action"], decision["kv_cache_dtype"])
     if decision["action"] == "stop":
         raise JobError(f"{spec.where('kv_quality_gate')}: failed: {decision['reason']}; "

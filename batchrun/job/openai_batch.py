@@ -15,10 +15,10 @@ from typing import Any, Iterator
 
 import pyarrow as pa
 
-from batchrun.job.atomic import atomic_write
 from batchrun.job.errors import JobError
 from batchrun.job.source import Row, input_files, set_params
 from batchrun.job.spec import JobSpec
+from batchrun.job.storage import Storage, iter_lines, readable
 from batchrun.structured import from_response_format
 
 URLS = ("/v1/chat/completions", "/v1/completions")
@@ -35,7 +35,7 @@ class OpenAIBatchSource:
         if self.inp.passthrough:
             raise spec.fail(("input", "passthrough"), "is not supported for OpenAI batch input")
         for path in self.files:
-            if not os.access(path, os.R_OK) or os.path.isdir(path):
+            if not readable(path, spec.storage.options):
                 raise JobError(f"{path}: cannot read the OpenAI batch file (input.path)")
 
     def passthrough_schema(self) -> list[pa.Field]:
@@ -44,15 +44,14 @@ class OpenAIBatchSource:
     def _lines(self) -> Iterator[tuple[str, int, str]]:
         left = self.inp.limit
         for path in self.files:
-            with open(path, "rb") as f:
-                for number, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    if left is not None:
-                        if left == 0:
-                            return
-                        left -= 1
-                    yield path, number, line
+            for number, line in enumerate(iter_lines(path, self.spec.storage.options), 1):
+                if not line.strip():
+                    continue
+                if left is not None:
+                    if left == 0:
+                        return
+                    left -= 1
+                yield path, number, line
 
     def input_table(self) -> pa.Table:
         """The requests as they are in the files: custom_id, the request line (JSON text) and its row_index."""
@@ -124,8 +123,8 @@ def _parse(path: str, number: int, raw: bytes) -> tuple[str, dict | None, str | 
     return custom_id, request, None
 
 
-def write_output(table: pa.Table, path: str, model: str) -> None:
-    """Results as OpenAI batch output JSONL, in input order, written atomically (atomic_write)."""
+def write_output(table: pa.Table, out: Storage, name: str, model: str) -> None:
+    """Results as OpenAI batch output JSONL, in input order, written whole or not at all (Storage.write)."""
     created = int(time.time())
 
     def lines(f):
@@ -142,7 +141,7 @@ def write_output(table: pa.Table, path: str, model: str) -> None:
             else:
                 line["error"] = {"code": "invalid_request", "message": failed["error"]}
             f.write((json.dumps(line, ensure_ascii=False) + "\n").encode())
-    atomic_write(path, lines)
+    out.write(name, lines)
 
 
 def _body(samples: list[dict], model: str, created: int) -> dict:

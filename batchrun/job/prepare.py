@@ -7,15 +7,15 @@ import os
 import shutil
 from typing import Iterator
 
-from batchrun.job.atomic import atomic_write
 from batchrun.job.errors import JobError
 from batchrun.job.openai_batch import OpenAIBatchSource
 from batchrun.job.preflight import model_fingerprint
 from batchrun.job.prompts import PromptEncoder
 from batchrun.job.report import read_state
-from batchrun.job.sink import ShardStore
+from batchrun.job.sink import shard_store
 from batchrun.job.source import ParquetSource, Row, fingerprint
 from batchrun.job.spec import IDENTITY, JobSpec
+from batchrun.job.storage import Storage, StorageError
 
 OUTPUT_FILES = ("data", "job.json", "summary.json", "metrics.prom", "job.log", "output.jsonl", "eta_state.json")
 
@@ -66,9 +66,17 @@ def _place(source, path: str, position: int) -> str:
     return f"{os.path.basename(path)} {unit} {position}"
 
 
-def output_dir(spec: JobSpec) -> str:
-    """The output directory, created and proven writable."""
-    path = spec.resolve(spec.output.path)
+def output_dir(spec: JobSpec) -> Storage:
+    """The output directory, created and proven writable; on a URI: credentials found, the bucket there, and a probe
+    object written and deleted."""
+    out = spec.output_storage()
+    if not out.local:
+        try:
+            out.check_writable()
+        except StorageError as exc:
+            raise spec.fail(("output", "path"), str(exc)) from None
+        return out
+    path = out.root
     probe = os.path.join(path, f".write-test-{os.getpid()}")
     try:
         os.makedirs(path, exist_ok=True)
@@ -77,27 +85,27 @@ def output_dir(spec: JobSpec) -> str:
         os.remove(probe)
     except OSError as exc:
         raise spec.fail(("output", "path"), f"cannot write to {path} ({exc.strerror})") from exc
-    return path
+    return out
 
 
 def job_state(spec: JobSpec, files: list[str], rows: int) -> dict:
-    inputs = [list(f) for f in fingerprint(files)]   # as it reads back from job.json
+    inputs = [list(f) for f in fingerprint(files, spec.storage.options)]   # as it reads back from job.json
     model = model_fingerprint(spec.model)
     digest = hashlib.sha256(json.dumps([spec.identity(), inputs, model]).encode()).hexdigest()[:16]
     return {"identity": digest, "spec": spec.identity_fields(), "inputs": inputs, "model_files": model,
             "rows": rows, "job_file": os.path.abspath(spec.path)}
 
 
-def conflict(out_dir: str, state: dict) -> str | None:
+def conflict(out_dir: Storage, state: dict) -> str | None:
     """What differs between the job that wrote out_dir and this one, or None when it is the same job."""
     old = read_state(out_dir)
     return None if old is None or old["identity"] == state["identity"] else _diff(old, state)
 
 
-def claim_output(spec: JobSpec, out_dir: str, state: dict, restart: bool) -> None:
+def claim_output(spec: JobSpec, out_dir: Storage, state: dict, restart: bool) -> None:
     """Refuse a changed spec or input over an existing output unless restart (which clears the old results)."""
     changed = conflict(out_dir, state)
-    if changed and not ShardStore(out_dir).shards():
+    if changed and not shard_store(out_dir).shards():
         restart = True   # a job that stopped before any result claims nothing: the directory is free
     if changed and not restart:
         raise spec.fail(("output", "path"), f"{out_dir} holds results of a different job ({changed}); undo the "
@@ -105,13 +113,19 @@ def claim_output(spec: JobSpec, out_dir: str, state: dict, restart: bool) -> Non
                                             f"or --restart to discard the results")
     if restart:
         for name in OUTPUT_FILES:
-            path = os.path.join(out_dir, name)
+            if not out_dir.local:
+                if name == "data":
+                    out_dir.remove_all(name)
+                else:
+                    out_dir.remove(name)
+                continue
+            path = os.path.join(out_dir.root, name)
             if os.path.isdir(path):
                 shutil.rmtree(path)
             elif os.path.exists(path):
                 os.remove(path)
     if restart or read_state(out_dir) is None:
-        atomic_write(os.path.join(out_dir, "job.json"), json.dumps(state, indent=2) + "\n")
+        out_dir.write("job.json", json.dumps(state, indent=2) + "\n")
 
 
 def _diff(old: dict, new: dict) -> str:

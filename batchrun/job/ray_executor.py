@@ -14,13 +14,13 @@ import socket
 import uuid
 
 from batchrun.job import kv_gate
-from batchrun.job.atomic import atomic_write
 from batchrun.job.ray_progress import RayProgress
 from batchrun.job.run_summary import RunSummary
 from batchrun.job.runner import JobRunner
 from batchrun.job.sink import ResultSink
 from batchrun.job.source import ParquetSource
 from batchrun.job.spec import JobSpec
+from batchrun.job.storage import Storage, is_uri
 
 log = logging.getLogger("batchrun.job")
 EXTRA_HINT = "pip install 'batchrun[ray]'"
@@ -104,14 +104,16 @@ class RayJobRunner(JobRunner):
                                                           f"cluster has {have.get(resource, 0):g}; lower replicas "
                                                           f"or the per-replica resources")
         hosts = {node["NodeManagerAddress"] for node in ray.nodes() if node["Alive"]}
-        if len(hosts) > 1 and not ex.shared_filesystem:
+        on_uris = is_uri(spec.resolve(spec.input.path)) and is_uri(spec.resolve(spec.output.path))
+        if len(hosts) > 1 and not ex.shared_filesystem and not on_uris:
             raise spec.fail(("executor", "shared_filesystem"),
                             f"the cluster spans {len(hosts)} hosts ({', '.join(sorted(hosts))}) but "
-                            f"input.path and output.path are local paths; put them on storage every node mounts "
-                            f"at the same path and set executor.shared_filesystem: true")
+                            f"input.path and output.path are not both URIs; put them on an object store (s3://, "
+                            f"gs://...) or on storage every node mounts at the same path and set "
+                            f"executor.shared_filesystem: true")
 
     def _generate(self, source: ParquetSource, sink: ResultSink, done: set[int], total: int,
-                  out_dir: str) -> RunSummary:
+                  out_dir: Storage) -> RunSummary:
         from ray.data import ActorPoolStrategy, DataContext
 
         from batchrun.job.ray_replica import RUN_TOKEN, ReplicaEngine
@@ -120,11 +122,12 @@ class RayJobRunner(JobRunner):
         options = kv_gate.decide(spec, out_dir)
         # a new run token first, then the done ids: a replica of an earlier, killed driver commits nothing after it
         token = uuid.uuid4().hex
-        atomic_write(os.path.join(out_dir, RUN_TOKEN), token)
+        out_dir.write(RUN_TOKEN, token)
         done = sink.store.done_indices()
         DataContext.get_current().enable_progress_bars = False   # Ray's bars count blocks; ours count rows
         lo, hi = ex.replica_range
-        results = self.ray.data.read_datasource(JobInput(source.files, source.columns(), spec.input.limit, done),
+        results = self.ray.data.read_datasource(JobInput(source.files, source.columns(), spec.input.limit, done,
+                                                         spec.storage.options),
                                                 num_cpus=0).map_batches(
             ReplicaEngine, batch_size=ex.batch_size, batch_format="pyarrow",
             fn_constructor_args=(spec, options, out_dir, sink.schema, sink.seq, token,
@@ -144,7 +147,7 @@ class RayJobRunner(JobRunner):
                     break
         finally:
             if self.stop_reason:   # batches still running commit nothing: their rows run on the next submit
-                atomic_write(os.path.join(out_dir, RUN_TOKEN), "stopped")
+                out_dir.write(RUN_TOKEN, "stopped")
             progress.close()
         # the shards are the record: a batch may commit before its figures reach the driver
         committed = len(sink.store.done_indices()) - len(done)

@@ -14,7 +14,6 @@ add rows that a resumed run has already planned to do again.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import resource
 import socket
@@ -24,24 +23,18 @@ import pyarrow as pa
 
 from batchrun.job.prompts import PromptEncoder
 from batchrun.job.records import RecordMaker
-from batchrun.job.sink import ShardStore, write_shard
+from batchrun.job.object_shards import shard_name
+from batchrun.job.sink import ShardStore, shard_store, write_shard
 from batchrun.job.source import records, row_from_record
 from batchrun.job.spec import JobSpec
+from batchrun.job.storage import Storage, as_storage
 
 RUN_TOKEN = ".ray_run"
 
 
-def shard_name(run_number: int, row_indices: list[int]) -> str:
-    digest = hashlib.sha256(",".join(map(str, sorted(row_indices))).encode()).hexdigest()[:16]
-    return f"part-{run_number:06d}-{digest}.parquet"
-
-
-def read_token(out_dir: str) -> str | None:
-    try:
-        with open(os.path.join(out_dir, RUN_TOKEN)) as f:
-            return f.read().strip()
-    except FileNotFoundError:
-        return None
+def read_token(out_dir: Storage | str) -> str | None:
+    text = as_storage(out_dir).read_text(RUN_TOKEN)
+    return None if text is None else text.strip()
 
 
 class StaleRun(RuntimeError):
@@ -49,7 +42,7 @@ class StaleRun(RuntimeError):
 
 
 class ReplicaEngine:
-    def __init__(self, spec: JobSpec, engine_options: dict, out_dir: str, schema: pa.Schema, run_number: int,
+    def __init__(self, spec: JobSpec, engine_options: dict, out_dir: Storage, schema: pa.Schema, run_number: int,
                  run_token: str, threads: int):
         import torch
 
@@ -58,7 +51,7 @@ class ReplicaEngine:
         started = time.perf_counter()
         self.spec, self.out_dir, self.schema = spec, out_dir, schema
         self.run_number, self.run_token = run_number, run_token
-        self.store = ShardStore(out_dir)
+        self.store = shard_store(out_dir)
         self.llm = LLM(model=spec.model, **engine_options)
         self.engine = self.llm.engine
         self.encoder = PromptEncoder(spec.input, self.llm.tokenizer, self.engine.max_model_len)
@@ -115,8 +108,11 @@ class ReplicaEngine:
     def _commit(self, indices: list[int], results: list[dict]) -> None:
         if read_token(self.out_dir) != self.run_token:
             raise StaleRun(f"{self.out_dir}: the job was submitted again; this replica's run no longer commits")
-        write_shard(self.store.dir, shard_name(self.run_number, indices),
-                   pa.Table.from_pylist(results, schema=self.schema))
+        table = pa.Table.from_pylist(results, schema=self.schema)
+        if isinstance(self.store, ShardStore):
+            write_shard(self.store.dir, shard_name(self.run_number, indices), table)
+        else:   # an object store: the shard in one PUT, then its manifest entry
+            self.store.commit(shard_name(self.run_number, indices), table)
 
     def _figures(self, rows: int, failed: int, tokens: int, batch_s: float) -> dict:
         engine = self.engine

@@ -13,12 +13,14 @@ import pyarrow.parquet as pq
 from ray.data import Datasource, ReadTask
 from ray.data.block import BlockMetadata
 
+from batchrun.job.storage import open_input
 
-def row_groups(files: list[str], limit: int | None) -> list[tuple[str, int, int, int]]:
+
+def row_groups(files: list[str], limit: int | None, options: dict | None = None) -> list[tuple[str, int, int, int]]:
     """(file, row group, first row_index, rows) for every row group up to the input limit."""
     groups, start = [], 0
     for path in files:
-        meta = pq.ParquetFile(path).metadata
+        meta = pq.ParquetFile(open_input(path, options)).metadata
         for group in range(meta.num_row_groups):
             rows = meta.row_group(group).num_rows
             if limit is not None:
@@ -32,12 +34,13 @@ def row_groups(files: list[str], limit: int | None) -> list[tuple[str, int, int,
 
 
 class JobInput(Datasource):
-    def __init__(self, files: list[str], columns: list[str], limit: int | None, done: set[int]):
+    def __init__(self, files: list[str], columns: list[str], limit: int | None, done: set[int],
+                 options: dict | None = None):
         super().__init__()
-        self.columns = columns
+        self.columns, self.options = columns, options   # options: storage.options, for URIs (no credentials)
         # per row group, only the done indices inside it travel with its read task
         self.groups = []
-        for path, group, start, rows in row_groups(files, limit):
+        for path, group, start, rows in row_groups(files, limit, options):
             skip = frozenset(i for i in range(start, start + rows) if i in done)
             if len(skip) < rows:
                 self.groups.append((path, group, start, rows, skip))
@@ -54,10 +57,10 @@ class JobInput(Datasource):
         return tasks
 
     def _reader(self, path: str, group: int, start: int, rows: int, skip: frozenset):
-        columns = self.columns
+        columns, options = self.columns, self.options
 
-        def read() -> Iterable[pa.Table]:
-            table = pq.ParquetFile(path).read_row_group(group, columns=columns).slice(0, rows)
+        def read() -> Iterable[pa.Table]:   # a URI is opened where the task runs, with that node's credentials
+            table = pq.ParquetFile(open_input(path, options)).read_row_group(group, columns=columns).slice(0, rows)
             table = table.append_column("row_index", pa.array(range(start, start + rows), pa.int64()))
             if skip:
                 keep = [i not in skip for i in range(start, start + rows)]

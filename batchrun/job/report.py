@@ -1,16 +1,16 @@
-"""What a job has done, from its output directory: counts for `status`, summary.json, a Prometheus textfile."""
+"""What a job has done, from its output directory (a local path or a URI's Storage): counts for `status`,
+summary.json, a Prometheus textfile."""
 from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 
 import pyarrow.compute as pc
-from prometheus_client import CollectorRegistry, Gauge, write_to_textfile
+from prometheus_client import CollectorRegistry, Gauge, generate_latest, write_to_textfile
 
-from batchrun.job.atomic import atomic_write
-from batchrun.job.sink import ShardStore
+from batchrun.job.sink import ShardStore, shard_store
+from batchrun.job.storage import Storage, as_storage
 
 log = logging.getLogger("batchrun.job")
 ETA_STATE = "eta_state.json"
@@ -18,19 +18,23 @@ ESTIMATE_FIELDS = ("eta_seconds", "eta_seconds_p10", "eta_seconds_p90", "predict
                    "expected_output_tokens_left", "deadline", "on_track", "deadline_verdict", "output_tokens_per_s")
 
 
-def read_state(out_dir: str) -> dict | None:
-    try:
-        with open(os.path.join(out_dir, "job.json")) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return None
+def read_state(out_dir: Storage | str) -> dict | None:
+    text = as_storage(out_dir).read_text("job.json")
+    return None if text is None else json.loads(text)
 
 
-def counts(out_dir: str) -> dict:
-    """Rows done (ok / failed), tokens in and out, remaining, read from the committed shards."""
+def counts(out_dir: Storage | str) -> dict:
+    """Rows done (ok / failed), tokens in and out, remaining, read from the committed shards (on an object store
+    from one listing of their manifest entries)."""
     state = read_state(out_dir) or {}
-    table = ShardStore(out_dir).read(["status", "prompt_tokens", "completion_tokens", "row_index"])
     total = state.get("rows")
+    store = shard_store(out_dir)
+    if not isinstance(store, ShardStore):
+        c = store.counts()
+        c["rows_total"] = total
+        c["rows_remaining"] = None if total is None else total - c["rows_done"]
+        return c
+    table = store.read(["status", "prompt_tokens", "completion_tokens", "row_index"])
     if table is None:
         c = {"rows_done": 0, "rows_ok": 0, "rows_failed": 0, "prompt_tokens": 0, "completion_tokens": 0}
     else:
@@ -45,28 +49,32 @@ def counts(out_dir: str) -> dict:
     return c
 
 
-def read_json(out_dir: str, name: str) -> dict | None:
+def read_json(out_dir: Storage | str, name: str) -> dict | None:
     """A JSON file the job writes (summary.json, eta_state.json); None when missing or unreadable."""
     try:
-        with open(os.path.join(out_dir, name)) as f:
-            return json.load(f)
+        text = as_storage(out_dir).read_text(name)
+        return None if text is None else json.loads(text)
     except (OSError, ValueError):
         return None
 
 
-def write_eta_state(out_dir: str, state: dict) -> None:
+def write_eta_state(out_dir: Storage | str, state: dict) -> None:
     try:
-        atomic_write(os.path.join(out_dir, ETA_STATE), json.dumps(state) + "\n")
+        as_storage(out_dir).write(ETA_STATE, json.dumps(state) + "\n")
     except OSError as exc:
         log.error("cannot write %s in %s (%s)", ETA_STATE, out_dir, exc.strerror or exc)
 
 
-def write_summary(out_dir: str, name: str, run: dict) -> dict:
+def write_summary(out_dir: Storage | str, name: str, run: dict) -> dict:
     """summary.json (totals over all runs plus this run's speed and KV figures) and metrics.prom."""
-    summary = {"job": name, **counts(out_dir), **run, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    out = as_storage(out_dir)
+    summary = {"job": name, **counts(out), **run, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     try:
-        atomic_write(os.path.join(out_dir, "summary.json"), json.dumps(summary, indent=2) + "\n")
-        write_metrics(os.path.join(out_dir, "metrics.prom"), summary)
+        out.write("summary.json", json.dumps(summary, indent=2) + "\n")
+        if out.local:
+            write_metrics(out.join("metrics.prom"), summary)
+        else:
+            out.write("metrics.prom", generate_latest(metrics_registry(summary)))
     except OSError as exc:   # disk full or read-only: the results are safe in their shards; say so and go on
         log.error("cannot write summary.json / metrics.prom in %s (%s)", out_dir, exc.strerror or exc)
     return summary
@@ -74,6 +82,10 @@ def write_summary(out_dir: str, name: str, run: dict) -> dict:
 
 def write_metrics(path: str, s: dict) -> None:
     """Textfile-collector format, written atomically (node_exporter reads *.prom: copy or link it there)."""
+    write_to_textfile(path, metrics_registry(s))
+
+
+def metrics_registry(s: dict) -> CollectorRegistry:
     registry = CollectorRegistry()
     metrics = [
         ("batchrun_job_rows", "Rows in the output by status.",
@@ -106,4 +118,4 @@ def write_metrics(path: str, s: dict) -> None:
         gauge = Gauge(name, help_text, ["job", *samples[0][0]], registry=registry)
         for labels, value in samples:
             gauge.labels(job=s["job"], **labels).set(float("nan") if value is None else value)
-    write_to_textfile(path, registry)
+    return registry

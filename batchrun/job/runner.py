@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 
-from batchrun.job import kv_gate, preflight, prepare, report
+from batchrun.job import joblog, kv_gate, preflight, prepare, report
 from batchrun.job.records import RecordMaker, extra_columns
 from batchrun.job.bucketing import RowFeed
 from batchrun.job.errors import EXIT_FAILED_ROWS, EXIT_INTERRUPTED, EXIT_OK
@@ -21,16 +21,19 @@ from batchrun.job.eta import EtaEstimator
 from batchrun.job.progress import Progress, in_notebook
 from batchrun.job.prompts import PromptEncoder
 from batchrun.job.run_summary import Estimate, RunSummary
-from batchrun.job.sink import JobLock, ResultSink, result_schema
+from batchrun.job.sink import ResultSink, job_lock, result_schema
 from batchrun.job.source import Row
 from batchrun.job.spec import JobSpec
+from batchrun.job.storage import Storage
 
 log = logging.getLogger("batchrun.job")
 
 
 class JobRunner:
-    def __init__(self, spec: JobSpec, restart: bool = False, progress: str = "auto", serve=None):
+    def __init__(self, spec: JobSpec, restart: bool = False, progress: str = "auto", serve=None,
+                 force: bool = False):
         self.spec, self.restart = spec, restart
+        self.force = force   # run on a store where batchrun cannot take the job's lock (sink.job_lock)
         self.serve = serve   # optional llm -> context manager serving HTTP on the job's engine (submit --serve)
         self.tty = (sys.stderr.isatty() or in_notebook()) if progress == "auto" else progress == "bar"
         self.stop_reason: str | None = None
@@ -44,7 +47,7 @@ class JobRunner:
     def _run(self, spec: JobSpec) -> tuple[str, dict]:
         source = prepare.open_source(spec)
         out_dir = prepare.output_dir(spec)
-        with JobLock(out_dir):
+        with job_lock(out_dir, spec.storage.lock_lease_s, self.force, self._lost) as lock:
             total = prepare.count_rows(spec, source)
             preflight.check_model(spec)   # before the output is claimed: a job that cannot start claims nothing
             prepare.claim_output(spec, out_dir, prepare.job_state(spec, source.files, total), self.restart)
@@ -53,9 +56,11 @@ class JobRunner:
             done = sink.store.done_indices()
             handlers = self._log_to(out_dir)
             try:
+                if getattr(lock, "took_over", None):   # an object store's lock, taken from a crashed submit
+                    log.warning(lock.took_over)
                 log.info("job %s: %d rows, %d already done, output %s", self._name(), total, len(done), out_dir)
                 run = self._generate(source, sink, done, total, out_dir) if len(done) < total else RunSummary()
-                return out_dir, self._finish(out_dir, sink, run)
+                return out_dir.root, self._finish(out_dir, sink, run)
             finally:
                 for handler in handlers:
                     log.removeHandler(handler)
@@ -64,9 +69,14 @@ class JobRunner:
     def _name(self) -> str:
         return self.spec.name or os.path.splitext(os.path.basename(self.spec.path))[0]
 
-    def _log_to(self, out_dir: str) -> list[logging.Handler]:
+    def _lost(self, reason: str) -> None:
+        """The lock's lease was taken over (object stores): stop as a signal does."""
+        if self.stop_reason is None:
+            self.stop_reason = reason
+
+    def _log_to(self, out_dir: Storage) -> list[logging.Handler]:
         """job.log in the output directory always; stderr too when there is no progress bar."""
-        handlers = [logging.FileHandler(os.path.join(out_dir, "job.log"))]
+        handlers = [joblog.handler(out_dir)]
         if not self.tty:
             handlers.append(logging.StreamHandler(sys.stderr))
         for handler in handlers:
@@ -76,7 +86,7 @@ class JobRunner:
         log.propagate = False
         return handlers
 
-    def _generate(self, source, sink: ResultSink, done: set[int], total: int, out_dir: str) -> RunSummary:
+    def _generate(self, source, sink: ResultSink, done: set[int], total: int, out_dir: Storage) -> RunSummary:
         from batchrun import LLM
         spec = self.spec
         try:
@@ -133,7 +143,7 @@ class JobRunner:
                         self.stop_reason, sink.rows_written, len(inflight))
         return self._figures(out_dir, engine, sink, progress, start, kv_peak)
 
-    def _figures(self, out_dir: str, engine, sink: ResultSink, progress: Progress, start: float,
+    def _figures(self, out_dir: Storage, engine, sink: ResultSink, progress: Progress, start: float,
                  kv_peak: int) -> RunSummary:
         """This run's figures so far, for summary.json."""
         batching, s, wall = self.spec.batching, engine.stats, time.perf_counter() - start
@@ -149,7 +159,7 @@ class JobRunner:
                               "kv_quality_gate": kv_gate.saved_decision(out_dir),
                               "longest_first": batching.longest_first})
 
-    def _report(self, out_dir: str, run: RunSummary, eta: EtaEstimator | None = None) -> None:
+    def _report(self, out_dir: Storage, run: RunSummary, eta: EtaEstimator | None = None) -> None:
         """While running: summary.json and metrics.prom with the estimate (`batchrun status` and alerts read them),
         and the step records a resumed run starts its estimate from."""
         report.write_summary(out_dir, self._name(), run.as_dict())
@@ -166,14 +176,14 @@ class JobRunner:
             if self.stop_reason is None:
                 self.stop_reason = f"a failed write in {sink.store.dir} ({exc.strerror or exc})"
 
-    def _finish(self, out_dir: str, sink: ResultSink, run: RunSummary) -> dict:
+    def _finish(self, out_dir: Storage, sink: ResultSink, run: RunSummary) -> dict:
         out = self.spec.output
         if not self.stop_reason:
             if out.order == "input":
                 sink.sort_by_input()
             if out.openai_batch:
                 from batchrun.job.openai_batch import write_output
-                write_output(sink.store.read(), os.path.join(out_dir, "output.jsonl"), self.spec.model)
+                write_output(sink.store.read(), out_dir, "output.jsonl", self.spec.model)
         failed = report.counts(out_dir)["rows_failed"]
         run.exit_code = EXIT_INTERRUPTED if self.stop_reason else EXIT_FAILED_ROWS if failed else EXIT_OK
         run.status = "interrupted" if self.stop_reason else "done"

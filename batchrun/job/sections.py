@@ -98,6 +98,16 @@ class OutputSection(Section):
                                                 "that does not parse (or match its schema) fails its row")
 
 
+class StorageSection(Section):
+    """How URIs in input.path, output.path and sampling.json_schema_file are opened (credentials: the environment)."""
+    options: dict[str, str | int | float | bool] = Field(
+        default_factory=dict, description="filesystem options the environment cannot give, e.g. {region: eu-west-1} "
+                                          "(pyarrow's S3FileSystem or GcsFileSystem keywords, or fsspec's for other "
+                                          "schemes); no credentials")
+    lock_lease_s: float = Field(60.0, ge=3, description="on an object store: how long the job's lock outlives a "
+                                                       "crashed submit (renewed every third of it while the job runs)")
+
+
 class KVQualityGateSection(Section):
     sample: int = Field(0, ge=0, description="prompts compared before the run (0: no gate)")
     min_identical: float = Field(0.9, ge=0, le=1)
@@ -130,7 +140,8 @@ class ExecutorSection(Section):
     batch_size: PositiveInt = Field(64, description="rows per Ray batch; each batch is committed as one shard")
     accelerator_type: Optional[str] = Field(None, description="Ray accelerator type for the replicas, e.g. H100")
     shared_filesystem: bool = Field(False, description="input.path and output.path are on storage every node of a "
-                                                       "multi-host cluster mounts at the same path")
+                                                       "multi-host cluster mounts at the same path (not needed "
+                                                       "for URIs: s3://, gs://...)")
 
     @field_validator("replicas")
     @classmethod
@@ -160,6 +171,7 @@ class JobModel(Section):
     batching: BatchingSection = Field(default_factory=BatchingSection)
     kv_quality_gate: KVQualityGateSection = Field(default_factory=KVQualityGateSection)
     executor: ExecutorSection = Field(default_factory=ExecutorSection)
+    storage: StorageSection = Field(default_factory=StorageSection)
 
 
 def json_schema() -> dict:

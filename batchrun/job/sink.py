@@ -2,9 +2,12 @@
 
 The renamed shards are the checkpoint: a row is done exactly when it is in one, so a kill at any moment loses
 only rows not yet in a shard (they run again) and never duplicates one. Readers skip the hidden temporaries.
+An output on an object store (a URI) has no rename: its shards are kept by object_shards.py, its lock by
+object_lock.py; shard_store and job_lock pick the kind.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import glob
 import os
@@ -19,6 +22,9 @@ import pyarrow.parquet as pq
 
 from batchrun.job.atomic import atomic_write, fsync_dir
 from batchrun.job.errors import EXIT_LOCKED, JobError
+from batchrun.job.object_lock import NoConditionalPut, ObjectLock
+from batchrun.job.object_shards import ObjectShardStore, shard_name
+from batchrun.job.storage import Storage, as_storage
 
 # part-NNNNNN.parquet from a local run; part-NNNNNN-<digest>.parquet from a Ray run (NNNNNN: that run's number, the
 # digest: of the shard's row indices, so a retried batch rewrites its own shard)
@@ -31,6 +37,12 @@ def result_schema(id_type: pa.DataType, passthrough: list[pa.Field]) -> pa.Schem
                       ("prompt_tokens", pa.int32()), ("completion_tokens", pa.int32()), ("status", pa.string()),
                       ("error", pa.string()), ("latency", pa.float64()), ("time_to_first_token", pa.float64()),
                       ("cached_tokens", pa.int32()), ("row_index", pa.int64()), *passthrough])
+
+
+def shard_store(out: Storage | str) -> "ShardStore | ObjectShardStore":
+    """The shards of an output: a local directory's (rename) or an object store's (manifest entries)."""
+    out = as_storage(out)
+    return ShardStore(out.root) if out.local else ObjectShardStore(out)
 
 
 class ShardStore:
@@ -79,9 +91,12 @@ def write_shard(directory: str, name: str, table: pa.Table) -> None:
 
 
 class ResultSink:
-    def __init__(self, out_dir: str, schema: pa.Schema, shard_rows: int, flush_every_s: float):
-        self.store = ShardStore(out_dir)
-        os.makedirs(self.store.dir, exist_ok=True)
+    def __init__(self, out_dir: Storage | str, schema: pa.Schema, shard_rows: int, flush_every_s: float):
+        out = as_storage(out_dir)
+        self.store = shard_store(out)
+        self.local = out.local
+        if self.local:
+            os.makedirs(self.store.dir, exist_ok=True)
         self.store.repair()
         self.schema, self.shard_rows, self.flush_every_s = schema, shard_rows, flush_every_s
         self.seq = max((seq for _, seq, _ in self.store.shards()), default=0) + 1
@@ -99,8 +114,11 @@ class ResultSink:
         self.last_flush = time.monotonic()
         if not self.pending:
             return
-        write_shard(self.store.dir, f"part-{self.seq:06d}.parquet",
-                    pa.Table.from_pylist(self.pending, schema=self.schema))
+        table = pa.Table.from_pylist(self.pending, schema=self.schema)
+        if self.local:
+            write_shard(self.store.dir, f"part-{self.seq:06d}.parquet", table)
+        else:   # the row indices in the name: a second writer of the same rows writes the same object
+            self.store.commit(shard_name(self.seq, [r["row_index"] for r in self.pending]), table)
         self.seq += 1
         self.rows_written += len(self.pending)
         self.pending = []
@@ -108,7 +126,12 @@ class ResultSink:
     def sort_by_input(self) -> None:
         """Rewrite the output in input order, MERGE_ROWS row indices per file (memory stays bounded however large
         the output), into a staging directory that then replaces data/ by two renames: a reader of data/ sees the
-        shards or the merged files, never both. A kill midway is finished or rolled back by repair()."""
+        shards or the merged files, never both. A kill midway is finished or rolled back by repair(). On an object
+        store the merged files are committed beside the shards and a manifest entry switches readers to them
+        (object_shards.py)."""
+        if not self.local:
+            self.store.sort_by_input(self.schema, MERGE_ROWS)
+            return
         shards = self.store.shards()
         if not shards or all(kind == "sorted" for kind, _, _ in shards):
             return
@@ -124,6 +147,22 @@ class ResultSink:
         os.replace(self.store.staging, self.store.dir)
         fsync_dir(self.store.out_dir)
         shutil.rmtree(self.store.old)
+
+
+def job_lock(out: Storage, lease_s: float, force: bool, on_lost) -> "JobLock | ObjectLock | contextlib.nullcontext":
+    """The job's lock: an flock on a local output, a lease object on S3. A store where batchrun cannot take one
+    (no conditional PUT) is refused unless force: the user then answers for running one submit at a time."""
+    if out.local:
+        return JobLock(out.root)
+    try:
+        lock = ObjectLock(out, lease_s, on_lost)
+        lock.check_conditional_put()
+        return lock
+    except NoConditionalPut as exc:
+        if force:
+            return contextlib.nullcontext()
+        raise JobError(f"{out.root}: cannot lock the job's output: {exc}; make sure only one submit of this job "
+                       f"runs at a time, then submit with --force") from None
 
 
 class JobLock:

@@ -5,8 +5,6 @@ problems of one row (null prompt, bad parameter) become that row's error.
 """
 from __future__ import annotations
 
-import glob
-import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -15,6 +13,8 @@ import pyarrow.parquet as pq
 
 from batchrun.job.errors import JobError
 from batchrun.job.spec import JobSpec
+from batchrun.job.storage import StorageError, find_files, open_input
+from batchrun.job.storage import fingerprint as file_fingerprint
 from batchrun.sampling_params import SamplingParams
 
 ROW_PARAM_COLUMNS = {"max_tokens_column": "max_tokens", "temperature_column": "temperature",
@@ -76,22 +76,21 @@ def set_params(spec: JobSpec, row: Row, overrides: dict, origin: dict[str, str])
 
 
 def input_files(spec: JobSpec) -> list[str]:
-    """The input path as a file, a directory (its *.parquet / *.jsonl, sorted) or a glob."""
+    """The input path as a file, a directory or prefix (its *.parquet / *.jsonl, sorted) or a glob; a URI's files
+    as URIs."""
     path = spec.resolve(spec.input.path)
-    if os.path.isdir(path):
-        ext = ".jsonl" if spec.input.format == "openai_batch" else ".parquet"
-        files = sorted(glob.glob(os.path.join(path, "**", f"*{ext}"), recursive=True))
-    elif glob.has_magic(path):
-        files = sorted(glob.glob(path, recursive=True))
-    else:
-        files = [path] if os.path.exists(path) else []
+    ext = ".jsonl" if spec.input.format == "openai_batch" else ".parquet"
+    try:
+        files = find_files(path, ext, spec.storage.options)
+    except StorageError as exc:
+        raise spec.fail(("input", "path"), f"cannot list {exc}") from None
     if not files:
         raise spec.fail(("input", "path"), f"no input file at {path}")
     return files
 
 
-def fingerprint(files: list[str]) -> list[tuple]:
-    return [(os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files]
+def fingerprint(files: list[str], options: dict | None = None) -> list[tuple]:
+    return [file_fingerprint(f, options) for f in files]
 
 
 class ParquetSource:
@@ -104,8 +103,8 @@ class ParquetSource:
 
     def _open(self, path: str) -> pq.ParquetFile:
         try:
-            return pq.ParquetFile(path)
-        except (OSError, pa.ArrowException) as exc:
+            return pq.ParquetFile(open_input(path, self.spec.storage.options))
+        except (OSError, pa.ArrowException, StorageError) as exc:
             raise JobError(f"{path}: not a readable Parquet file ({exc}); check input.path") from exc
 
     def _check_schema(self, path: str) -> None:

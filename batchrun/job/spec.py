@@ -20,7 +20,8 @@ from batchrun.config import EngineConfig
 from batchrun.job.errors import JobError
 from batchrun.deadline import parse_deadline
 from batchrun.job.sections import (BatchingSection, EngineSection, ExecutorSection, InputSection, JobModel,
-                                   KVQualityGateSection, OutputSection, SamplingSection, Section)
+                                   KVQualityGateSection, OutputSection, SamplingSection, Section, StorageSection)
+from batchrun.job.storage import Storage, StorageError, check_options, check_uri, is_uri, read_bytes
 from batchrun.sampling_params import SamplingParams
 
 # sections that change what rows contain (the job's identity); engine, batching and logging only change speed
@@ -39,6 +40,7 @@ class JobSpec:
     batching: BatchingSection
     kv_quality_gate: KVQualityGateSection
     executor: ExecutorSection
+    storage: StorageSection
 
     def __init__(self, raw: dict, path: str = "<dict>", lines: dict | None = None, base_dir: str = "."):
         self.path, self.lines, self.base_dir = path, lines or {}, base_dir
@@ -49,6 +51,7 @@ class JobSpec:
         for section in JobModel.model_fields:
             setattr(self, section, getattr(job, section))
         self.model = self._resolve_model(self.model)
+        self._check_paths()
         self._check_rules()
         self.deadline_at = self._read_deadline()
 
@@ -148,6 +151,20 @@ class JobSpec:
                 raise self.fail(("sampling", "json_schema_file"), f"{self.resolve(schema_file)}: {message}") from None
             raise self._field_error("sampling", exc) from exc
 
+    def _check_paths(self) -> None:
+        """No credentials in a URI or in storage.options (they would reach job.json and the logs)."""
+        try:
+            check_options(self.storage.options)
+        except StorageError as exc:
+            raise JobError(f"{self.path}: {exc}") from None
+        for key in (("input", "path"), ("output", "path"), ("sampling", "json_schema_file")):
+            value = getattr(getattr(self, key[0]), key[1])
+            if value and is_uri(value):
+                try:
+                    check_uri(value)
+                except StorageError as exc:
+                    raise self.fail(key, str(exc)) from None
+
     def _read_schema_file(self) -> None:
         """sampling.json_schema_file into sampling.json_schema (so the schema's text is part of the identity)."""
         name = self.sampling.json_schema_file
@@ -156,11 +173,12 @@ class JobSpec:
         if self.sampling.json_schema is not None:
             raise self.fail(("sampling", "json_schema_file"), "give json_schema or json_schema_file, not both")
         try:
-            with open(self.resolve(name)) as f:
-                self.sampling.json_schema = json.load(f)
+            self.sampling.json_schema = json.loads(read_bytes(self.resolve(name), self.storage.options))
         except OSError as exc:
             raise self.fail(("sampling", "json_schema_file"), f"cannot read {self.resolve(name)} "
-                                                               f"({exc.strerror})") from None
+                                                               f"({exc.strerror or exc})") from None
+        except StorageError as exc:
+            raise self.fail(("sampling", "json_schema_file"), f"cannot read {exc}") from None
         except ValueError as exc:
             raise self.fail(("sampling", "json_schema_file"), f"{self.resolve(name)} is not valid JSON "
                                                                f"({exc})") from None
@@ -198,7 +216,15 @@ class JobSpec:
         return os.path.normpath(beside) if not os.path.isabs(model) and os.path.isdir(beside) else model
 
     def resolve(self, path: str) -> str:
+        """A path relative to the job file made absolute; a URI as it is."""
+        if is_uri(path):
+            return path
+        path = path[len("file://"):] if path.lower().startswith("file://") else path
         return path if os.path.isabs(path) else os.path.normpath(os.path.join(self.base_dir, path))
+
+    def output_storage(self) -> Storage:
+        """output.path as a Storage (a local directory or a URI, opened with storage.options)."""
+        return Storage(self.resolve(self.output.path), self.storage.options)
 
     @property
     def engine_options(self) -> dict:

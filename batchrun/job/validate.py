@@ -6,6 +6,7 @@ import os
 from batchrun.job import preflight, prepare
 from batchrun.job.report import counts, read_state
 from batchrun.job.spec import JobSpec
+from batchrun.job.storage import StorageError
 
 
 def _percentile(sorted_values: list[int], q: float) -> int:
@@ -13,7 +14,15 @@ def _percentile(sorted_values: list[int], q: float) -> int:
 
 
 def _writable(spec: JobSpec) -> str:
-    """The output directory, or its nearest existing parent, must be writable (nothing is created)."""
+    """The output directory, or its nearest existing parent, must be writable (nothing is created; on a URI a probe
+    object is written and deleted)."""
+    out = spec.output_storage()
+    if not out.local:
+        try:
+            out.check_writable()
+        except StorageError as exc:
+            raise spec.fail(("output", "path"), str(exc)) from None
+        return out.root
     path = spec.resolve(spec.output.path)
     probe = path
     while not os.path.exists(probe):
@@ -53,10 +62,11 @@ def validate(spec: JobSpec) -> dict:
 
 
 def _output_state(spec: JobSpec, source, rows: int, out_dir: str) -> str:
-    if not os.path.isdir(out_dir) or read_state(out_dir) is None:
+    out = spec.output_storage()
+    if (out.local and not os.path.isdir(out_dir)) or read_state(out) is None:
         return "new"
-    changed = prepare.conflict(out_dir, prepare.job_state(spec, source.files, rows))
+    changed = prepare.conflict(out, prepare.job_state(spec, source.files, rows))
     if changed:
         return f"submit would refuse: the output holds a different job ({changed}); --restart discards it"
-    c = counts(out_dir)
+    c = counts(out)
     return f"resume: {c['rows_done']} rows done ({c['rows_failed']} failed), {rows - c['rows_done']} to run"
