@@ -2,7 +2,7 @@
 
     python bench/vllm_worker.py REQUEST.json RESULT.json
 
-REQUEST: {"model": dir, "dtype": "float32"|"bfloat16", "max_num_seqs": int,
+REQUEST: {"model": dir, "dtype": "float32"|"bfloat16", "max_num_seqs": int, "warm_up": [[token ids]],
           "workloads": {name: {"prompts": [[token ids]], "max_tokens": [int]}}}
 RESULT:  {"version", "load_s", "workloads": {name: {"wall_s", "output_tokens", "token_ids"}}}
 Greedy, EOS ignored, each request its own max_tokens, prefix caching on; model load and compile (with a warm-up
@@ -22,8 +22,8 @@ def main():
     start = time.perf_counter()
     llm = LLM(model=request["model"], dtype=request["dtype"], max_num_seqs=request["max_num_seqs"],
               enable_prefix_caching=True, seed=0)
-    llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], SamplingParams(max_tokens=4, temperature=0),
-                 use_tqdm=False)
+    llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in request["warm_up"]],
+                 SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
     result = dict(version=vllm.__version__, load_s=time.perf_counter() - start, workloads={})
     for name, work in request["workloads"].items():
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in work["prompts"]]
