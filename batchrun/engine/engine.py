@@ -19,7 +19,7 @@ from batchrun.engine.request import Request, RequestOutput
 from batchrun.engine.sampler import Sampler
 from batchrun.engine.scheduler import Lane, Scheduler, StepPlan, WaitingQueue, default_admission_key
 from batchrun.engine.stop import StopRule
-from batchrun.models import cpu_gemm
+from batchrun.models import cpu_gemm, graph
 from batchrun.models.registry import model_class
 from batchrun.sampling_params import SamplingParams
 from batchrun.structured import GrammarCompiler
@@ -66,7 +66,10 @@ class Engine:
         self.model.init_rope(self.max_model_len, self.device, self.dtype)
         self.model.eval()
         if self.device.type == "cpu" and self.model.pack_for_cpu():
-            log.info("linear layers: oneDNN with pre-packed weights")
+            log.info("linear layers: oneDNN with pre-packed weights (%s)", str(self.dtype).removeprefix("torch."))
+        if self.device.type == "cpu" and graph.enabled() and self.model.whole_graph:
+            self.model.compile_graph()
+            log.info("forward: one torch.compile graph (compiled at the first steps; BATCHRUN_COMPILE=ops: per op)")
 
         self.runner = ModelRunner(self.model, config.block_size, self.device)
         self.scheduler = Scheduler(self._build_lanes(admission_key), config.max_num_seqs,

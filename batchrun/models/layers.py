@@ -5,20 +5,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchrun.models import cpu_gemm, fused
+from batchrun.models import cpu_gemm, fused, graph
 
 
 class Linear(nn.Linear):
-    """nn.Linear that, once `pack_for_cpu()` has run, multiplies through oneDNN with a pre-packed weight."""
+    """nn.Linear that, once `pack_for_cpu()` has run, multiplies through oneDNN with a pre-packed weight (inside a
+    whole-model graph through an opaque op that finds the packed weight by handle, see graph.py)."""
 
     packed: torch.Tensor | None = None
+    handle: int | None = None
 
     def pack_for_cpu(self) -> bool:
         self.packed = cpu_gemm.pack(self.weight)
+        if self.packed is not None:
+            self.handle = graph.register(self, self.packed)
         return self.packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.dim() == 2:
+            if torch.compiler.is_compiling():
+                return torch.ops.batchrun.packed_linear(x, self.handle, self.out_features, self.bias)
             return cpu_gemm.linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
