@@ -95,8 +95,13 @@ class CausalLM(nn.Module):
         return self.lm_head.weight.dtype
 
     def pack_for_cpu(self) -> bool:
-        """Pre-pack every projection's weight for oneDNN (CPU only); False where this torch cannot."""
-        return all([m.pack_for_cpu() for m in self.modules() if m is not self and hasattr(m, "pack_for_cpu")])
+        """Pre-pack every projection's weight for oneDNN (CPU only), keeping one copy of each: the dense weight is
+        dropped except where another module reads it (a tied lm_head's embedding). False where this torch cannot
+        pack."""
+        shared = {p.data_ptr() for m in self.modules() if not isinstance(m, Linear)
+                  for p in m.parameters(recurse=False)}
+        return all([m.pack_for_cpu(keep_dense=m.weight.data_ptr() in shared) for m in self.modules()
+                    if isinstance(m, Linear)])
 
     def init_rope(self, max_len: int, device, dtype) -> None:
         self.rope_len = max_len
