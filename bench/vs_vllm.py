@@ -12,7 +12,10 @@ Workloads, from sample_data/prompts.parquet (first --limit rows), as token ids b
 Greedy, EOS ignored, each request its own max_tokens, prefix caching on everywhere; model load and compile excluded.
 vLLM runs in its own virtual environment (created by bench/setup_vllm.sh on first use; BATCHRUN_VLLM_VENV moves it)
 with every core for compute (its default on a 2-core machine keeps one core for its engine process: add
---vllm-default-threads to measure that). The CPU model and its flags are printed with the figures.
+--vllm-default-threads to measure that). The CPU model and its flags are printed with the figures. Where other jobs
+share the machine, wall times swing with their load (2-thread OpenMP regions wait for a descheduled thread):
+--one-core runs both engines on one thread pinned to core 0, vLLM in one process, and the CPU-time columns
+(process_time over the timed generate) compare the work each engine does.
 """
 import argparse
 import json
@@ -60,27 +63,31 @@ def run_batchrun(model_path: str, dtype: str, work: dict, max_num_seqs: int) -> 
     for name, w in work.items():
         params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in w["max_tokens"]]
         with StepSplit(llm.engine) as split:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             outs = llm.generate(w["prompts"], params, use_tqdm=False)
-            wall = time.perf_counter() - start
+            wall, cpu = time.perf_counter() - start, time.process_time() - cpu
         ids = [list(o.token_ids) for o in outs]
-        result["workloads"][name] = dict(wall_s=wall, output_tokens=sum(map(len, ids)), token_ids=ids,
+        result["workloads"][name] = dict(wall_s=wall, cpu_s=cpu, output_tokens=sum(map(len, ids)), token_ids=ids,
                                          split=split.shares(wall))
         print(f"batchrun {dtype} {name}: {wall:.1f}s", file=sys.stderr, flush=True)
     del llm
     return result
 
 
-def run_vllm(model_path: str, dtype: str, work: dict, max_num_seqs: int, default_threads: bool) -> dict:
+def run_vllm(model_path: str, dtype: str, work: dict, max_num_seqs: int, default_threads: bool,
+             one_core: int | None) -> dict:
     if not (VENV / "bin" / "python").exists():
         subprocess.run(["bash", str(ROOT / "bench" / "setup_vllm.sh"), str(VENV)], check=True)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4"}
-    if not default_threads:
+    if one_core is not None:   # one compute thread, engine core and worker in one process: process_time is all work
+        env.update(VLLM_CPU_OMP_THREADS_BIND=str(one_core), VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+                   VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    elif not default_threads:
         env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
     with tempfile.TemporaryDirectory() as tmp:
         request, result = Path(tmp) / "request.json", Path(tmp) / "result.json"
         request.write_text(json.dumps(dict(model=model_path, dtype=dtype, max_num_seqs=max_num_seqs, workloads=work,
-                                           warm_up=WARM_UP)))
+                                           warm_up=WARM_UP, one_process=one_core is not None)))
         log = Path(tmp) / "vllm.log"
         with open(log, "w") as out:
             proc = subprocess.run([str(VENV / "bin" / "python"), str(ROOT / "bench" / "vllm_worker.py"),
@@ -120,7 +127,7 @@ def identical(a: list[list[int]], b: list[list[int]]) -> str:
 
 def print_table(results: dict, work_names: list[str]) -> None:
     print(f"\n{'model':<9}{'dtype':<10}{'workload':<10}{'engine':<14}{'wall s':>8}{'out tok/s':>11}{'batchrun/x':>12}"
-          f"{'same tokens':>13}")
+          f"{'same tokens':>13}{'cpu s':>8}{'tok/cpu-s':>11}{'batchrun/x':>12}")
     for model, runs in results["runs"].items():
         for dtype, run in runs.items():
             for name in work_names:
@@ -132,8 +139,13 @@ def print_table(results: dict, work_names: list[str]) -> None:
                     tok_s = res["output_tokens"] / res["wall_s"]
                     ratio = ours["output_tokens"] / ours["wall_s"] / tok_s
                     same = "" if engine == "batchrun" else identical(ours["token_ids"], res["token_ids"])
+                    cpu = ""
+                    if "cpu_s" in res and "cpu_s" in ours:
+                        per_cpu = res["output_tokens"] / res["cpu_s"]
+                        cpu = (f"{res['cpu_s']:>8.1f}{per_cpu:>11.1f}"
+                               f"{ours['output_tokens'] / ours['cpu_s'] / per_cpu:>11.2f}x")
                     print(f"{model:<9}{dtype:<10}{name:<10}{engine:<14}{res['wall_s']:>8.1f}{tok_s:>11.1f}"
-                          f"{ratio:>11.2f}x{same:>13}")
+                          f"{ratio:>11.2f}x{same:>13}{cpu}")
                 print(f"{'':<29}batchrun step split: "
                       + ", ".join(f"{k} {v:.0%}" for k, v in ours["split"].items()))
 
@@ -150,6 +162,9 @@ def main():
     ap.add_argument("--skip-transformers", action="store_true", help="the transformers baseline (float32, sample)")
     ap.add_argument("--hf-batch-size", type=int, default=16)
     ap.add_argument("--vllm-default-threads", action="store_true")
+    ap.add_argument("--one-core", type=int, nargs="?", const=0, metavar="CORE",
+                    help="both engines on one thread pinned to CORE (default 0), vLLM in one process: the CPU-time "
+                         "columns then count each engine's whole work, a fair ratio where other jobs share the machine")
     ap.add_argument("--json", help="also write every figure (token ids included) to this file")
     args = ap.parse_args()
 
@@ -169,12 +184,17 @@ def main():
         print(f"workload {name}: {len(w['prompts'])} prompts, {sum(map(len, w['prompts']))} prompt tokens, "
               f"{sum(w['max_tokens'])} output tokens")
 
-    results = dict(cpu=cpu, models=models, runs={})
+    one_core = args.one_core is not None
+    if one_core:
+        torch.set_num_threads(1)
+        os.sched_setaffinity(0, {args.one_core})
+    results = dict(cpu=cpu, models=models, runs={}, one_core=args.one_core)
     for model, path in models.items():
         for dtype in args.dtypes.split(","):
             run = results["runs"].setdefault(model, {})[dtype] = {}
             if not args.skip_vllm:
-                run["vllm"] = run_vllm(path, dtype, work, args.max_num_seqs, args.vllm_default_threads)
+                run["vllm"] = run_vllm(path, dtype, work, args.max_num_seqs, args.vllm_default_threads,
+                                       args.one_core)
             run["batchrun"] = run_batchrun(path, dtype, work, args.max_num_seqs)
             if dtype == "float32" and not args.skip_transformers:
                 run["transformers"] = run_transformers(path, {"sample": work["sample"]} if "sample" in work
@@ -184,8 +204,9 @@ def main():
     print_table(results, list(work))
     first = next(iter(next(iter(results["runs"].values())).values()))
     if "vllm" in first:
-        print(f"vLLM {first['vllm']['version']}, threads: "
-              f"{'its default' if args.vllm_default_threads else 'all cores for compute'}; "
+        threads = (f"one, core {args.one_core}, both engines" if one_core
+                   else "its default" if args.vllm_default_threads else "all cores for compute")
+        print(f"vLLM {first['vllm']['version']}, threads: {threads}; "
               f"load average {cpu['load_average']:.2f} at start, {cpu['load_average_end']:.2f} at end")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
