@@ -75,8 +75,8 @@ def main():
     print(f"CPU {r['cpu']}; {r['model']} {r['dtype']}: weights {r['weights_bytes'] / 2**20:.0f} MiB, peak RSS growth "
           f"during load {(r['rss_peak'] - r['rss_before']) / 2**20:.0f} MiB = {r['peak_over_weights']:.2f}x the weights")
     r = run(LLM_CHILD, args.model, args.dtype)
-    print(f"LLM(...), less its {r['kv_bytes'] / 2**20:.0f} MiB KV pool: peak {r['peak_over_weights']:.2f}x the weights, "
-          f"resident after {r['steady_over_weights']:.2f}x")
+    print(f"LLM(...), less its {r['kv_bytes'] / 2**20:.0f} MiB KV pool: peak {r['peak_over_weights']:.2f}x the "
+          f"weights, resident after {r['steady_over_weights']:.2f}x")
 
 
 if __name__ == "__main__":

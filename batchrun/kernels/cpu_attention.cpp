@@ -69,7 +69,9 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache, 
           if constexpr (kInPlace) {
             visit(first - lo, src, token_stride, scales, n);
           } else {
-            for (int64_t r = 0; r < n; ++r) batchrun::row_to_float(src + r * token_stride, rows_buf.data() + r * pdim, dim);
+            for (int64_t r = 0; r < n; ++r) {
+              batchrun::row_to_float(src + r * token_stride, rows_buf.data() + r * pdim, dim);
+            }
             visit(first - lo, rows_buf.data(), pdim, scales, n);
           }
         }
