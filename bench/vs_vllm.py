@@ -140,7 +140,7 @@ def print_table(results: dict, work_names: list[str]) -> None:
                     ratio = ours["output_tokens"] / ours["wall_s"] / tok_s
                     same = "" if engine == "batchrun" else identical(ours["token_ids"], res["token_ids"])
                     cpu = ""
-                    if "cpu_s" in res and "cpu_s" in ours:
+                    if results.get("one_core") is not None:   # else vLLM's work is in processes not counted
                         per_cpu = res["output_tokens"] / res["cpu_s"]
                         cpu = (f"{res['cpu_s']:>8.1f}{per_cpu:>11.1f}"
                                f"{ours['output_tokens'] / ours['cpu_s'] / per_cpu:>11.2f}x")
