@@ -4,8 +4,9 @@
         llm.generate(...)
     split.shares(wall_seconds) -> {"dense": 0.61, "attention": 0.25, ...}
 
-Times the model's forward, the attention backend, the sampler and the scheduler by wrapping them for the duration
-of the block (a few microseconds per call); "dense" is the forward less attention.
+The sampler's and the scheduler's times come from the engine's own step reports (Engine.observe); the model's
+forward and its attention backend are timed by wrapping them for the duration of the block (a few microseconds per
+call); "dense" is the forward less attention.
 """
 import time
 from collections import defaultdict
@@ -33,11 +34,15 @@ class StepSplit:
         engine = self.engine
         self._wrap(engine.model, "forward", "forward")
         self._wrap(engine.model.model.layers[0].self_attn.backend, "forward", "attention")
-        self._wrap(engine, "sampler", "sampler")
-        self._wrap(engine.scheduler, "schedule", "scheduling")
+        self._stop_observing = engine.observe(self._add_step)
         return self
 
+    def _add_step(self, stats) -> None:
+        self.seconds["sampler"] += stats.sample_s
+        self.seconds["scheduling"] += stats.schedule_s + stats.update_s
+
     def __exit__(self, *exc):
+        self._stop_observing()
         for owner, attr, original in reversed(self._restore):
             if original is None:
                 delattr(owner, attr)   # back to the class's method

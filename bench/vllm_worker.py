@@ -2,9 +2,10 @@
 
     python bench/vllm_worker.py REQUEST.json RESULT.json
 
-REQUEST: {"model": dir, "dtype": "float32"|"bfloat16", "max_num_seqs": int,
+REQUEST: {"model": dir, "dtype": "float32"|"bfloat16", "max_num_seqs": int, "warm_up": [[token ids]],
           "workloads": {name: {"prompts": [[token ids]], "max_tokens": [int]}}}
-RESULT:  {"version", "load_s", "workloads": {name: {"wall_s", "output_tokens", "token_ids"}}}
+          "one_process": bool (optional: engine core and worker in this process)
+RESULT:  {"version", "load_s", "workloads": {name: {"wall_s", "cpu_s", "output_tokens", "token_ids"}}}
 Greedy, EOS ignored, each request its own max_tokens, prefix caching on; model load and compile (with a warm-up
 request) are not timed.
 """
@@ -20,19 +21,21 @@ def main():
     from vllm.inputs import TokensPrompt
 
     start = time.perf_counter()
+    # One process (no separate engine-core and worker processes) when asked, so process_time counts all the work.
+    extra = dict(distributed_executor_backend="uni") if request.get("one_process") else {}
     llm = LLM(model=request["model"], dtype=request["dtype"], max_num_seqs=request["max_num_seqs"],
-              enable_prefix_caching=True, seed=0)
-    llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], SamplingParams(max_tokens=4, temperature=0),
-                 use_tqdm=False)
+              enable_prefix_caching=True, seed=0, **extra)
+    llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in request["warm_up"]],
+                 SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
     result = dict(version=vllm.__version__, load_s=time.perf_counter() - start, workloads={})
     for name, work in request["workloads"].items():
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in work["prompts"]]
         params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in work["max_tokens"]]
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         outs = llm.generate(prompts, params, use_tqdm=False)
-        wall = time.perf_counter() - start
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
         ids = [list(o.outputs[0].token_ids) for o in outs]
-        result["workloads"][name] = dict(wall_s=wall, output_tokens=sum(map(len, ids)), token_ids=ids)
+        result["workloads"][name] = dict(wall_s=wall, cpu_s=cpu, output_tokens=sum(map(len, ids)), token_ids=ids)
         print(f"vLLM {request['dtype']} {name}: {wall:.1f}s", file=sys.stderr, flush=True)
     json.dump(result, open(sys.argv[2], "w"))
 

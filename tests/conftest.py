@@ -13,6 +13,9 @@ from transformers import LlamaConfig, MistralConfig, Qwen2Config
 # Exactness tests compare with transformers in float32: `dtype: auto` must not pick bfloat16 on a CPU with native
 # bf16 (an environment variable, so the CLI subprocesses of the job tests inherit it).
 os.environ["BATCHRUN_CPU_DTYPE"] = "float32"
+# The suite builds hundreds of engines: compiling a whole-model graph for each would cost seconds apiece. Elementwise
+# pieces only, here; tests/test_whole_graph.py covers the graph (the CPU default).
+os.environ.setdefault("BATCHRUN_COMPILE", "ops")
 # Triton reads TRITON_INTERPRET when a kernel is decorated; torch.compile imports Triton early, so set it here, before
 # any test module (the Triton kernels run on CPU tensors only under the interpreter).
 if not torch.cuda.is_available():

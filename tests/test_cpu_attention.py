@@ -1,4 +1,5 @@
-"""The compiled CPU decode-attention kernel against the pure-torch reference, for every KV storage dtype."""
+"""The compiled CPU decode-attention kernel against the pure-torch reference, for every KV storage dtype and
+16-bit queries."""
 import pytest
 import torch
 
@@ -46,6 +47,27 @@ def test_kernel_matches_reference(kernel, kv_dtype, block_size, kv_heads, group,
     want = reference.paged_decode_attention(query, k, v, tables, context_lens, scale, k_scale, v_scale)
     assert got.shape == want.shape and got.dtype == query.dtype
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("kv_dtype", ["same", torch.int8, FP8], ids=["same", "int8", "fp8"])
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_16bit_query(kernel, dtype, kv_dtype, head_dim):
+    """A 16-bit query (the engine's at bf16) is converted once and answered in its own dtype; the reference
+    computes in float32 from the same inputs, so the only difference is the output's rounding. head_dim 80 is
+    not a whole number of vectors (masked tails)."""
+    kv_dtype = dtype if kv_dtype == "same" else kv_dtype
+    k, k_scale = random_pool(16, 16, 2, head_dim, kv_dtype, seed=7)
+    v, v_scale = random_pool(16, 16, 2, head_dim, kv_dtype, seed=8)
+    tables = torch.randperm(16, generator=torch.Generator().manual_seed(9)).view(4, 4)
+    lens = torch.tensor([1, 17, 33, 64])
+    query = torch.randn(4, 6, head_dim, generator=torch.Generator().manual_seed(10)).to(dtype)
+    got = cpu_attention.paged_decode_attention(query, k, v, tables, lens, head_dim ** -0.5, k_scale, v_scale)
+    as_float = (lambda t: t) if quant.is_quantized(kv_dtype) else (lambda t: t.float())
+    want = reference.paged_decode_attention(query.float(), as_float(k), as_float(v), tables, lens, head_dim ** -0.5,
+                                            k_scale, v_scale)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.to(dtype).float(), rtol=1e-2, atol=1e-2)
 
 
 def test_padding_rows_are_not_read(kernel):

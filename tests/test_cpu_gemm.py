@@ -17,10 +17,28 @@ from batchrun.models.layers import Linear
 def test_packed_linear_matches_unpacked():
     torch.manual_seed(0)
     layer = Linear(48, 80, bias=True)
+    weight = layer.weight.detach().clone()
     assert layer.pack_for_cpu() == torch.backends.mkldnn.is_available()   # float32 packs wherever oneDNN is built
-    for rows in (1, 7, 33):
-        x = torch.randn(rows, 48)
-        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    if layer.packed is not None:
+        assert layer.weight.numel() == 0 and layer.weight.dtype == weight.dtype   # the packed copy is the only one
+    for shape in ((1, 48), (7, 48), (33, 48), (2, 5, 48)):
+        x = torch.randn(shape)
+        torch.testing.assert_close(layer(x), F.linear(x, weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+def test_one_copy_of_each_weight_and_the_tied_embedding_kept(tmp_path):
+    """After LLM(...) every projection's dense weight is gone (packed only); a tied lm_head keeps the weight it
+    shares with the embedding, whose lookups need it."""
+    from batchrun import LLM
+    from conftest import save_tiny_model
+    save_tiny_model(tmp_path, tie_word_embeddings=True)
+    model = LLM(model=str(tmp_path), kv_cache_memory="4MiB").engine.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert all(m.packed is not None for m in linears)
+    assert all(m.weight.numel() == 0 for m in linears if m is not model.lm_head)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert model.lm_head.weight.numel() > 0
 
 
 def test_failed_packing_warns_once_and_runs_unpacked(monkeypatch, caplog):

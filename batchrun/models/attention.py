@@ -1,13 +1,14 @@
 """Self-attention over the paged KV cache, with the per-layer options the families need."""
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from batchrun.attention_metadata import Segment
-from batchrun.models import fused
+from batchrun.models import fused, graph
 from batchrun.models.layers import Linear, RMSNorm, head_dim_of
 
 
@@ -42,6 +43,7 @@ class Attention(nn.Module):
         self.backend = backend
         self.kv_caches = []       # one LayerCache per KV pool (lane), set by the model runner
         self.kv_rotations = []    # per pool: [d, d] orthogonal matrix for int8 storage (kernels.quant.rotation)
+        self.handle = graph.register(self, weakref.ref(self))   # how the whole-model graph's attention op finds it
 
     def forward(self, x, cos, sin, segments: list[Segment]):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -52,14 +54,21 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = fused.apply_rope(q, cos, sin), fused.apply_rope(k, cos, sin)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if len(segments) == 1:
-            out = self._attend(q, k, v, segments[0])
+        if torch.compiler.is_compiling():   # inside the whole-model graph: the step's segments are graph.step's
+            out = torch.ops.batchrun.attention(q, k, v, self.handle)
         else:
-            out = torch.empty_like(q)
-            for seg in segments:
-                rows = slice(seg.start, seg.end)
-                out[rows] = self._attend(q[rows], k[rows], v[rows], seg)
+            out = self.attend(q, k, v, segments)
         return self.o_proj(out.reshape(-1, self.q_size))
+
+    def attend(self, q, k, v, segments: list[Segment]):
+        """Writes k/v to each segment's KV pool and attends; q [T, heads, d], k/v [T, kv_heads, d]."""
+        if len(segments) == 1:
+            return self._attend(q, k, v, segments[0])
+        out = torch.empty_like(q)
+        for seg in segments:
+            rows = slice(seg.start, seg.end)
+            out[rows] = self._attend(q[rows], k[rows], v[rows], seg)
+        return out
 
     def _attend(self, q, k, v, seg: Segment):
         rotation = self.kv_rotations[seg.pool]

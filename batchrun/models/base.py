@@ -6,10 +6,13 @@ gate/up projections are fused into one matrix each at load time (fewer, larger m
 """
 from __future__ import annotations
 
+import types
+
 import torch
 from torch import nn
 
 from batchrun.attention_metadata import Segment
+from batchrun.models import graph
 from batchrun.models.attention import Attention, AttentionOptions
 from batchrun.models.layers import GatedMLP, Linear, RMSNorm, longrope_switch, rope_tables
 
@@ -50,6 +53,7 @@ def sliding_window(config, layer: int) -> int | None:
 class CausalLM(nn.Module):
     qkv_bias = False      # Qwen2 has q/k/v biases whatever attention_bias says
     norm_unit_offset = False
+    whole_graph = True    # the forward traces into one torch.compile graph (graph.py); False: data-dependent shapes
 
     def __init__(self, config, backend):
         super().__init__()
@@ -62,6 +66,7 @@ class CausalLM(nn.Module):
         self.rope: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
         self.rope_len = 0
         self.long_rope_after = longrope_switch(config)
+        self._graph = None   # the compiled forward, once compile_graph() has run
 
     # --- what a family may override ---
     def attention_options(self, layer: int) -> AttentionOptions:
@@ -90,8 +95,13 @@ class CausalLM(nn.Module):
         return self.lm_head.weight.dtype
 
     def pack_for_cpu(self) -> bool:
-        """Pre-pack every projection's weight for oneDNN (CPU only); False where this torch cannot."""
-        return all([m.pack_for_cpu() for m in self.modules() if m is not self and hasattr(m, "pack_for_cpu")])
+        """Pre-pack every projection's weight for oneDNN (CPU only), keeping one copy of each: the dense weight is
+        dropped except where another module reads it (a tied lm_head's embedding). False where this torch cannot
+        pack."""
+        shared = {p.data_ptr() for m in self.modules() if not isinstance(m, Linear)
+                  for p in m.parameters(recurse=False)}
+        return all([m.pack_for_cpu(keep_dense=m.weight.data_ptr() in shared) for m in self.modules()
+                    if isinstance(m, Linear)])
 
     def init_rope(self, max_len: int, device, dtype) -> None:
         self.rope_len = max_len
@@ -109,9 +119,26 @@ class CausalLM(nn.Module):
         the long factors from its first chunk."""
         return self.long_rope_after is not None and num_computed == self.long_rope_after == num_tokens - 1
 
+    def compile_graph(self) -> None:
+        """Run the forward as one torch.compile graph from now on (CPU; see graph.py)."""
+        # Dynamo keeps compiled graphs per code object, at most recompile_limit (8) of them: every model would add
+        # one to the shared _forward's and the ninth model in a process would fail. A copy of the code per model.
+        fn = type(self)._forward
+        own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+        self._graph = torch.compile(types.MethodType(own, self), dynamic=True, fullgraph=True)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """Hidden states for every new token; logits only at `logits_indices` (the tokens to sample)."""
+        if self._graph is None:
+            return self._forward(input_ids, positions, segments, logits_indices)
+        # Token and sample counts of 0 or 1 would otherwise each compile a specialised graph of their own.
+        for t in (input_ids, positions, logits_indices):
+            torch._dynamo.decorators.mark_unbacked(t, 0)
+        with graph.step(segments):   # the graph's attention op reads the segments from there
+            return self._graph(input_ids, positions, None, logits_indices)
+
+    def _forward(self, input_ids, positions, segments, logits_indices):
         x = self.embed(input_ids)
         rope = {key: (cos[positions], sin[positions]) for key, (cos, sin) in self.rope.items()}
         for layer in self.model.layers:

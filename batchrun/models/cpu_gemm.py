@@ -38,10 +38,11 @@ _malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None)   # glibc's; else
 _last_trim = time.monotonic()
 
 
-def return_freed_memory() -> None:
-    """Give the free pages inside the C heap back to the OS (glibc malloc_trim), at most every TRIM_EVERY_S."""
+def return_freed_memory(now: bool = False) -> None:
+    """Give the free pages inside the C heap back to the OS (glibc malloc_trim), at most every TRIM_EVERY_S
+    unless `now`."""
     global _last_trim
-    if _malloc_trim is not None and time.monotonic() - _last_trim >= TRIM_EVERY_S:
+    if _malloc_trim is not None and (now or time.monotonic() - _last_trim >= TRIM_EVERY_S):
         _malloc_trim(0)
         _last_trim = time.monotonic()
 

@@ -3,8 +3,9 @@ torch.compile (inductor, dynamic token counts, so a step of any size reuses one 
 
 Eager, each piece is several passes over [tokens, hidden] tensors; fused, one. On an AMD EPYC (2 cores) two
 SmolLM2 prefill steps of 1,024 tokens ran 6.0-6.3 s eager and 4.4-4.6 s fused. The first use compiles (about 25 s on
-2 cores; inductor's on-disk cache makes later starts faster). BATCHRUN_COMPILE=0 keeps everything eager; CUDA
-tensors always run eager here.
+2 cores; inductor's on-disk cache makes later starts faster). Inside the whole-model graph (graph.py, the CPU default)
+they are traced as plain torch instead. BATCHRUN_COMPILE=ops compiles only these pieces, BATCHRUN_COMPILE=0 keeps
+everything eager; CUDA tensors always run eager here.
 """
 from __future__ import annotations
 
@@ -48,6 +49,8 @@ def _on_cpu(eager):
     compiled = torch.compile(eager, dynamic=True)
 
     def run(x: torch.Tensor, *args):
+        if torch.compiler.is_compiling():   # traced into a whole-model graph (graph.py), which fuses it there
+            return eager(x, *args)
         return compiled(x, *args) if ENABLED and x.device.type == "cpu" else eager(x, *args)
     run.__doc__ = eager.__doc__
     run.eager = eager   # for many small calls, where the compiled call's guards cost more than they save

@@ -5,22 +5,37 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchrun.models import cpu_gemm, fused
+from batchrun.models import cpu_gemm, fused, graph
 
 
 class Linear(nn.Linear):
-    """nn.Linear that, once `pack_for_cpu()` has run, multiplies through oneDNN with a pre-packed weight."""
+    """nn.Linear that, once `pack_for_cpu()` has run, multiplies through oneDNN with a pre-packed weight (inside a
+    whole-model graph through an opaque op that finds the packed weight by handle, see graph.py)."""
 
     packed: torch.Tensor | None = None
+    handle: int | None = None
 
-    def pack_for_cpu(self) -> bool:
+    def pack_for_cpu(self, keep_dense: bool = False) -> bool:
+        """Pack the weight; unless `keep_dense` (another module reads the same tensor, as a tied embedding does),
+        drop the dense copy: the packed one is then the only copy (the weight becomes an empty tensor of its
+        dtype)."""
         self.packed = cpu_gemm.pack(self.weight)
-        return self.packed is not None
+        if self.packed is None:
+            return False
+        self.handle = graph.register(self, self.packed)
+        if not keep_dense:
+            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.dim() == 2:
-            return cpu_gemm.linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        rows = x.reshape(-1, self.in_features)
+        if torch.compiler.is_compiling():
+            out = torch.ops.batchrun.packed_linear(rows, self.handle, self.out_features, self.bias)
+        else:
+            out = cpu_gemm.linear(rows, self.packed, self.bias)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
 
 class RMSNorm(nn.Module):

@@ -106,6 +106,7 @@ def expert_plan(names: list[str], block: str, projections: tuple[str, str, str],
 class MixtralForCausalLM(CausalLM):
     """Every layer's MLP is `block_sparse_moe` in the checkpoint: router `gate`, experts' w1 (gate), w3 (up), w2
     (down); top-k weights always renormalised."""
+    whole_graph = False   # expert routing has data-dependent shapes
 
     def make_mlp(self, layer: int) -> nn.Module:
         c = self.config
@@ -119,6 +120,7 @@ class MixtralForCausalLM(CausalLM):
 
 class Qwen3MoeForCausalLM(CausalLM):
     """Qwen3 attention; MoE on the layers `decoder_sparse_step` selects, outside `mlp_only_layers` (dense there)."""
+    whole_graph = False   # expert routing has data-dependent shapes
 
     def attention_options(self, layer: int) -> AttentionOptions:
         return replace(super().attention_options(layer), qk_norm="head")
