@@ -36,7 +36,7 @@ class Sizes:
 FULL = Sizes()
 DRY = Sizes(requests=6, prompt_tokens=40, max_tokens=4, max_num_batched_tokens=64, identity_prompts=3,
             identity_tokens=8, interactive_requests=3, interactive_prompt_tokens=8, interactive_max_tokens=2,
-            interactive_interval_s=0.05, batch_max_tokens=64, kv_cache_memory="4MiB")
+            interactive_interval_s=0.05, batch_max_tokens=400, kv_cache_memory="4MiB")
 
 
 def _kernels(dry_run: bool) -> dict:
