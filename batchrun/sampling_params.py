@@ -40,7 +40,7 @@ class SamplingParams:
         self.stop = [s for s in self.stop if s]
         self.stop_token_ids = _list_of(self.stop_token_ids, "stop_token_ids", int, "integers")
         if any(not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids: token ids must be in [0, {INT64_MAX}], got {self.stop_token_ids!r}")
+            raise ValueError(f"stop_token_ids: token ids must be in [0, {INT64_MAX}], got {_show(self.stop_token_ids)}")
         _integer(self.max_tokens, "max_tokens", 1, INT64_MAX, "a positive integer")
         _number(self.temperature, "temperature", lambda t: t >= 0, "a finite number >= 0 (0 means greedy)")
         _number(self.top_p, "top_p", lambda p: 0 < p <= 1, "a number in (0, 1]")

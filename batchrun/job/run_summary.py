@@ -26,7 +26,7 @@ class Estimate:
     @classmethod
     def of(cls, eta, deadline: datetime | None, verdict: str | None) -> "Estimate":
         """From an eta.Eta (None: no estimate yet)."""
-        shown = None if deadline is None else deadline.astimezone().isoformat(timespec="minutes")
+        shown = _deadline_text(deadline)
         if eta is None:
             return cls(deadline=shown)
         return cls(round(eta.seconds_left, 1), _round(eta.low), _round(eta.high), _iso(eta.finish_at),
@@ -36,12 +36,16 @@ class Estimate:
     @classmethod
     def at_end(cls, now: float, deadline: datetime | None, stopped: bool) -> "Estimate":
         """A run that ended: done now (on track if by the deadline), or stopped (nothing known)."""
-        shown = None if deadline is None else deadline.astimezone().isoformat(timespec="minutes")
+        shown = _deadline_text(deadline)
         if stopped:
             return cls(deadline=shown)
         on_track = None if deadline is None else now <= deadline.timestamp()
         return cls(0.0, 0.0, 0.0, _iso(now), round(now, 1), None, shown, on_track,
                    None if on_track is None else "on track" if on_track else "late")
+
+
+def _deadline_text(deadline: datetime | None) -> str | None:
+    return None if deadline is None else deadline.astimezone().isoformat(timespec="minutes")
 
 
 def _round(seconds: float | None) -> float | None:
