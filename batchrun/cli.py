@@ -214,17 +214,21 @@ def validate(job, overrides) -> None:
     click.echo(json.dumps(report, indent=2))
 
 
-@main.command(help="Compare N of JOB's prompts, greedy, with unquantized KV and with the job's 8-bit KV dtype.")
+@main.command(help="Compare N of JOB's prompts, greedy, with unquantized KV and weights and with the job's 8-bit "
+                   "KV dtype and/or quantized weights.")
 @click.argument("job", type=click.Path(dir_okay=False))
 @_SET
 @click.option("--sample", "sample", type=POSITIVE_INT, default=32, show_default=True,
               help="How many of the job's prompts.")
-@click.option("--dtype", "kv_dtype", type=click.Choice(["int8", "fp8"]), help="Default: the job's kv_cache_dtype.")
-def kvcheck(job, overrides, sample, kv_dtype) -> None:
+@click.option("--dtype", "kv_dtype", type=click.Choice(["auto", "int8", "fp8"]),
+              help="KV dtype. Default: the job's kv_cache_dtype.")
+@click.option("--quantization", help="Weights (none, int8, int8-w8a16, fp8, int4). Default: the job's "
+              "engine.quantization.")
+def kvcheck(job, overrides, sample, kv_dtype, quantization) -> None:
     from batchrun.job import Job, JobError
     from batchrun.job.kv_gate import kvcheck as run
     try:
-        report = run(Job.from_yaml(job, list(overrides)).spec, sample, kv_dtype)
+        report = run(Job.from_yaml(job, list(overrides)).spec, sample, kv_dtype, quantization)
     except JobError as exc:
         _fail(exc)
     except ValueError as exc:

@@ -141,6 +141,30 @@ def test_quantized_checkpoint_layers_and_greedy_equal_the_dequantized_reference(
     assert_greedy_matches(tokens, reference)
 
 
+# --- the precision gate: weights x KV ---
+
+def test_kvcheck_compares_quantized_weights_and_the_gate_falls_back_to_float_weights(tmp_path, tiny_model):
+    from click.testing import CliRunner
+
+    from batchrun import Job
+    from batchrun.cli import main
+    from jobkit import write_job, write_prompts
+    write_prompts(tmp_path / "in.parquet", 6)
+    job = write_job(tmp_path, tiny_model[0], engine={"quantization": "int8"}, sampling={"max_tokens": 30,
+                    "ignore_eos": True}, kv_quality_gate={"sample": 4, "min_identical": 1.0, "on_fail": "fallback"})
+    result = CliRunner().invoke(main, ["kvcheck", job, "--sample", "3", "--quantization", "int4"])
+    assert result.exit_code == 0, result.output
+    assert "weights int4, kv auto vs auto:" in result.output and '"quantization": "int4"' in result.output
+    report = json.loads(result.output[result.output.index("{"):])
+    assert report["mean_logprob"] < 0 and report["reference_mean_logprob"] < 0
+    # W8A8 on the chaotic tiny model does not keep 4 of 4 outputs identical over 30 tokens: the gate falls back
+    outcome = Job.from_yaml(job).run(progress="log")
+    summary = json.load(open(f"{outcome.output_dir}/summary.json"))
+    gate = summary["kv_quality_gate"]
+    assert gate["action"] == "fallback" and gate["quantization"] == "none" and summary["quantization"] == "none"
+    assert gate["report"]["quantization"] == "int8" and summary["rows_ok"] == 6
+
+
 # --- refusals ---
 
 def write_config(tmp_path, quantization_config: dict, model_type: str = "llama"):

@@ -2,9 +2,22 @@
 packing happens here, and only on the CPU). A kernel is called with x [M, K] (bfloat16 or float32) and returns
 x @ w^T [M, N] in x's dtype, without bias.
 
-Measured with bench/quant_kernels.py (Intel Xeon, Sapphire Rapids: AVX-512 BF16/VNNI, AMX; 2 threads, shared
-machine; one decoder layer's four products, bfloat16 activations), see PICK for the choice:
-MEASURED_TABLE
+Measured with bench/quant_kernels.py (Intel Xeon with AVX-512 BF16/VNNI and AMX; 2 threads on a machine shared
+with other work, load average 1.6-2: ratios within one run; one decoder layer's four products, bfloat16
+activations; ms, lower is better):
+
+                              bf16 packed  fp32 packed  w8a16  w8a8-onednn  w8a8-intmm  fp8-scaledmm  fp8-dequant  int4
+    SmolLM2, 32 rows (decode)     8.5          7.4      13.9       3.9         0.9         81.0          91.7       5.4
+    SmolLM2, 1,024 rows          13.4         63.9     126.0     215.2       213.9        229.4         157.2     131.8
+    0.3B Llama, 32 rows          25.4         35.5      40.6       8.8        17.2        348.2         211.7      30.3
+    0.3B Llama, 1,024 rows      118.5        602.2    1241.1     398.3       739.1       1690.6        1101.4    1129.5
+
+So linear.py picks: W8A8 -> oneDNN qlinear (2.2-2.9x the bf16 path at decode; 0.3x at a 1,024-row prefill chunk,
+where AMX bf16 wins; _int_mm was faster on SmolLM2's small decode products in this single noisy run but 2x slower
+than oneDNN on the 0.3B shapes, not re-measured), W8A16 -> _weight_int8pack_mm (the only int8-weight, 16-bit-activation kernel shipped; slower
+than bf16), fp8 -> the widening emulation (torch._scaled_mm on the CPU is slower still at decode), int4 -> the
+int4pack kernel (1.6x bf16 on SmolLM2's decode, 0.84x on the 0.3B shape). No shipped kernel beats packed bf16 at
+prefill sizes.
 """
 from __future__ import annotations
 

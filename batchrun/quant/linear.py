@@ -51,8 +51,9 @@ def make_kernel(parts: list[QuantizedWeight]) -> Kernel:
 class QuantizedLinear:
     """Set on a Linear (its `quantized`) by the loader; called with the layer's input and bias."""
 
-    def __init__(self, owner, kernel: Kernel, out_features: int, description: str):
+    def __init__(self, owner, kernel: Kernel, out_features: int, description: str, nbytes: int):
         self.kernel, self.out_features, self.description = kernel, out_features, description
+        self.nbytes = nbytes   # the canonical weight's (codes, scales, zero points): what the layer holds
         self.handle = graph.register(owner, kernel)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

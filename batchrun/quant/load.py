@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from batchrun.models import cpu_gemm
 from batchrun.models.layers import Linear
 from batchrun.quant import checkpoints, weights as qweights
 from batchrun.quant.formats import Scheme
@@ -64,7 +65,10 @@ def plan_and_build(model: nn.Module, scheme: Scheme | None, device: torch.device
         layer = layers[prefix]
         layer.weight = nn.Parameter(torch.empty(0, dtype=dtype, device=device), requires_grad=False)
         layer.quantized = QuantizedLinear(layer, make_kernel(_group_by_input_order(parts, prefix)),
-                                          layer.out_features, scheme.description)
+                                          layer.out_features, scheme.description, sum(p.nbytes for p in parts))
+        del parts
+        if device.type == "cpu":   # the float read buffers just freed stay resident in glibc's heap otherwise
+            cpu_gemm.return_freed_memory(now=True)
         return layer.weight.data
     return plan, build
 
