@@ -141,7 +141,7 @@ def main() -> None:
             print(f"{name:13s} {fmt:11s} {r['tok_s']:7.1f} tok/s ({ratio} bf16; {r['tok_per_cpu_s']:.1f} tok/cpu-s) "
                   f"weights {r['weights_mib']:7.1f} MiB ({mem} bf16), peak RSS {r['peak_rss_mib']:.0f} MiB, "
                   f"load peak (less the KV pool) {r['load_peak_over_weights']:.2f}x the weights, "
-                  f"the weights, greedy identical to bf16: {quality} "
+                  f"greedy identical to bf16: {quality} "
                   f"(load avg {load:.1f})", flush=True)
 
 

@@ -75,6 +75,32 @@ def test_cpu_kernels_equal_the_dequantized_product(name, dtype):
     torch.testing.assert_close(out.float(), reference, atol=tol * reference.abs().max().item(), rtol=0)
 
 
+def test_cuda_dispatch_passes_the_canonical_weights_to_quant_gemm(monkeypatch):
+    """The CUDA path's calls, run on CPU tensors against a stand-in for batchrun/kernels/quant_gemm.py that
+    implements its documented interface (dequant = w * scale; int4: low nibble = even k, (q - zero) * scale)."""
+    import sys
+    import types
+
+    from batchrun.quant import cuda_kernels
+
+    def int8_linear(x, w, scale, bias):
+        return (x.float() @ (w.float() * scale[:, None]).t()).to(x.dtype)
+
+    def int4_linear(x, w, scales, zeros, group, bias):
+        q = torch.stack([w & 15, w >> 4], dim=-1).reshape(w.shape[0], -1).float()
+        deq = (q - zeros.repeat_interleave(group, 1)) * scales.repeat_interleave(group, 1)
+        return (x.float() @ deq.t()).to(x.dtype)
+    monkeypatch.setitem(sys.modules, "batchrun.kernels.quant_gemm",
+                        types.SimpleNamespace(int8_linear=int8_linear, int4_linear=int4_linear))
+    torch.manual_seed(0)
+    w, x = torch.randn(64, 256) / 16, torch.randn(5, 256)
+    for q, act in ((quantize.int8_per_channel(w), "none"), (quantize.int8_per_channel(w, "int8"), "int8"),
+                   (quantize.int4_grouped(w), "none"), (quantize.fp8_per_channel(w), "fp8")):
+        ref_x = x if act == "none" else quantized_input(x, act)
+        tol = 1e-2 if q.kind == "fp8" else 2e-3   # _scaled_mm's row-wise scaling returns bfloat16
+        torch.testing.assert_close(cuda_kernels.make(q)(x), ref_x @ q.dequantize().t(), atol=tol, rtol=tol)
+
+
 # --- load-time quantization ---
 
 @pytest.mark.parametrize("quantization,activations", [("int8", "int8"), ("int8-w8a16", None), ("fp8", "fp8"),

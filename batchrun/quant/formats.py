@@ -131,7 +131,8 @@ def _ct_group(fmt: str, layout: str, group: dict) -> Scheme:
     if (wtype, bits) == ("int", 4):
         if strategy not in ("group", "channel") or layout != "pack-quantized" or a:
             raise _fail(fmt, f"{what}, format {layout!r}, activations {a}", CT_SUPPORTED)
-        return Scheme("compressed-tensors", "int4", "none", f"compressed-tensors INT4 W4A16 ({strategy})",
+        group = f" {w.get('group_size')}" if strategy == "group" else ""
+        return Scheme("compressed-tensors", "int4", "none", f"compressed-tensors INT4 W4A16 ({strategy}{group})",
                       {"group_size": w.get("group_size") if strategy == "group" else None, "bits": 4})
     if (wtype, bits) not in (("float", 8), ("int", 8)) or strategy not in ("tensor", "channel"):
         raise _fail(fmt, what, CT_SUPPORTED)
