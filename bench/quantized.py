@@ -3,15 +3,16 @@
     python bench/quantized.py [--models smollm2-135m,llama-0.3b] [--formats float32,bfloat16,int8,...]
                               [--requests 32] [--max-tokens 64] [--compile]
 
-Each (model, format) runs in a fresh process: RSS before the engine, the peak while loading (ru_maxrss) and after
-it, the weights' bytes as held (packed copies, scales), then `--requests` prompts (SmolLM2: the sample articles cut to 64 tokens; the random
-model: random 16-token prompts) decoded greedy
-for `--max-tokens` tokens (ignore_eos) after a warm-up; output tokens/s over that generate call. The greedy tokens
-are compared with the bfloat16 run's (identical fraction at full length). Formats: float32 / bfloat16 (float
-weights in that compute dtype), and engine.quantization values (int8 = W8A8, int8-w8a16, fp8, int4) on bfloat16
-compute; `W+kv-int8` / `W+kv-fp8` adds an 8-bit KV cache. The quality columns are batchrun kvcheck's (identical
-greedy outputs, first difference, mean |d logprob| of the chosen tokens before it) against bfloat16. llama-0.3b: hidden 1024, intermediate 4096, 16 layers, 16 heads, vocab 32000, tied embeddings, random
-weights saved once as bfloat16 safetensors. Per-op path (BATCHRUN_COMPILE=ops) unless --compile.
+Each (model, format) runs in a fresh process: RSS before the engine, the peak while loading (ru_maxrss, less
+the KV pool) and the weights' bytes as held (packed copies, scales); then `--requests` prompts of 16 tokens
+(SmolLM2: the sample articles' first 16; the random model: random ids) decoded greedy for `--max-tokens` tokens
+(ignore_eos) after a warm-up; output tokens/s over that generate call, and per CPU second of this process (less
+sensitive to other work on a shared machine). Formats: float32 / bfloat16 (float weights in that compute dtype),
+and engine.quantization values (int8 = W8A8, int8-w8a16, fp8, int4) on bfloat16 compute; `W+kv-int8` /
+`W+kv-fp8` adds an 8-bit KV cache. The quality columns are batchrun kvcheck's against the bfloat16 run (identical
+greedy outputs at full length, first difference, mean |d logprob| of the chosen tokens before it). llama-0.3b:
+hidden 1024, intermediate 4096, 16 layers, 16 heads, vocab 32000, tied embeddings, random weights saved once as
+bfloat16 safetensors. Per-op path (BATCHRUN_COMPILE=ops) unless --compile.
 """
 from __future__ import annotations
 
@@ -49,10 +50,10 @@ def child(model: str, fmt: str, requests: int, max_tokens: int) -> dict:
     llm = LLM(model=model, dtype=dtype, quantization=quantization, kv_cache_dtype=kv or "auto",
               kv_cache_memory="192MiB", max_num_seqs=requests, max_model_len=1024)
     load_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    if llm.tokenizer is not None:   # SmolLM2: the sample articles' first 64 tokens
+    if llm.tokenizer is not None:   # SmolLM2: the sample articles' first 16 tokens
         import pyarrow.parquet as pq
         rows = pq.read_table(SAMPLE).column("prompt").to_pylist()
-        prompts = [llm.encode(text)[:64] for text in (rows * requests)[:requests]]
+        prompts = [llm.encode(text)[:16] for text in (rows * requests)[:requests]]
     else:
         prompts = [torch.randint(10, 30000, (16,)).tolist() for _ in range(requests)]
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=True)
@@ -62,8 +63,9 @@ def child(model: str, fmt: str, requests: int, max_tokens: int) -> dict:
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     tokens = sum(len(o.token_ids) for o in outputs)
     weights = weight_bytes(llm.engine.model)
+    kv_pool = llm.engine.num_blocks * llm.engine.config.block_size * llm.engine.kv_bytes_per_token
     return dict(model=model, format=fmt, weights_mib=round(weights / 2**20, 1),
-                load_peak_over_weights=round((load_peak - before - llm.engine.num_blocks * llm.engine.config.block_size * llm.engine.kv_bytes_per_token) / weights, 2),
+                load_peak_over_weights=round((load_peak - before - kv_pool) / weights, 2),
                 peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                 tok_s=round(tokens / wall, 1), tok_per_cpu_s=round(tokens / cpu, 1),
                 tokens=[o.token_ids for o in outputs], logprobs=[o.logprobs for o in outputs])
