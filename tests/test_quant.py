@@ -193,7 +193,7 @@ def test_kvcheck_compares_quantized_weights_and_the_gate_falls_back_to_float_wei
 
 # --- refusals ---
 
-def write_config(tmp_path, quantization_config: dict, model_type: str = "llama"):
+def write_config(tmp_path, quantization_config: dict):
     """A model directory whose weights file is unreadable: a refusal must come before any weight is read."""
     save_tiny_model(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
@@ -221,6 +221,20 @@ def test_unsupported_formats_are_refused_before_reading_weights(tmp_path, config
     path = write_config(tmp_path, config)
     with pytest.raises(ValueError, match=f"quantization format {message}"):
         LLM(model=str(path), kv_cache_memory="4MiB")
+
+
+def test_validate_names_the_refused_format_and_the_field(tmp_path):
+    from batchrun import Job
+    from batchrun.job.errors import JobError
+    from jobkit import write_job, write_prompts
+    model = write_config(tmp_path / "m", {"quant_method": "bitsandbytes", "load_in_4bit": True})
+    write_prompts(tmp_path / "in.parquet", 2)
+    with pytest.raises(JobError, match=r"model \(line \d+\): quantization format bitsandbytes .nf4 / int8.: the format"):
+        Job.from_yaml(write_job(tmp_path, str(model))).validate()
+    plain = tmp_path / "plain"
+    save_tiny_model(plain)
+    ok = Job.from_yaml(write_job(tmp_path, str(plain), name="ok", engine={"quantization": "int4"})).validate()
+    assert ok is not None
 
 
 def test_quantizing_a_quantized_checkpoint_and_unknown_values_are_refused(tmp_path):
