@@ -229,7 +229,8 @@ def test_validate_names_the_refused_format_and_the_field(tmp_path):
     from jobkit import write_job, write_prompts
     model = write_config(tmp_path / "m", {"quant_method": "bitsandbytes", "load_in_4bit": True})
     write_prompts(tmp_path / "in.parquet", 2)
-    with pytest.raises(JobError, match=r"model \(line \d+\): quantization format bitsandbytes .nf4 / int8.: the format"):
+    refused = r"model \(line \d+\): quantization format bitsandbytes .nf4 / int8.: the format"
+    with pytest.raises(JobError, match=refused):
         Job.from_yaml(write_job(tmp_path, str(model))).validate()
     plain = tmp_path / "plain"
     save_tiny_model(plain)
