@@ -169,6 +169,7 @@ def test_quantized_checkpoint_layers_and_greedy_equal_the_dequantized_reference(
 
 # --- the precision gate: weights x KV ---
 
+@pytest.mark.slow   # 4 engines and a job: about 40 s on 2 shared cores
 def test_kvcheck_compares_quantized_weights_and_the_gate_falls_back_to_float_weights(tmp_path, tiny_model):
     from click.testing import CliRunner
 
