@@ -156,6 +156,7 @@ class JobRunner:
                               "kv_blocks_total": engine.num_blocks, "kv_block_size": engine.config.block_size,
                               "kv_bytes_per_token": engine.kv_bytes_per_token, "bucketing": batching.bucketing,
                               "kv_cache_dtype": engine.config.kv_cache_dtype,
+                              "quantization": engine.config.quantization,
                               "kv_quality_gate": kv_gate.saved_decision(out_dir),
                               "longest_first": batching.longest_first})
 

@@ -14,11 +14,14 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
     handle: int | None = None
+    quantized = None   # a batchrun.quant.linear.QuantizedLinear where the loader quantized this layer
 
     def pack_for_cpu(self, keep_dense: bool = False) -> bool:
         """Pack the weight; unless `keep_dense` (another module reads the same tensor, as a tied embedding does),
         drop the dense copy: the packed one is then the only copy (the weight becomes an empty tensor of its
         dtype)."""
+        if self.quantized is not None:   # its kernel packed it at load
+            return True
         self.packed = cpu_gemm.pack(self.weight)
         if self.packed is None:
             return False
@@ -28,6 +31,8 @@ class Linear(nn.Linear):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized(x, self.bias)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, self.in_features)
