@@ -10,7 +10,6 @@ import torch
 from batchrun import LLM, SamplingParams
 from batchrun.quant import cpu_kernels, quantize
 from batchrun.quant.formats import scheme_for
-from batchrun.quant.weight_bytes import bytes_per_parameter
 from batchrun.quant.weights import pack_int4, unpack_int4
 from conftest import random_prompts, reference_greedy, save_tiny_model, tiny_config
 from quantkit import quantize_activations, quantized_input, write_quantized
@@ -254,11 +253,3 @@ def test_quantizing_a_quantized_checkpoint_and_unknown_values_are_refused(tmp_pa
 def test_auto_picks_int8_w8a8_on_cpu():
     assert scheme_for(tiny_config(), "auto", "cpu").description.startswith("int8 W8A8")
     assert scheme_for(tiny_config(), "none", "cpu") is None
-
-
-def test_weight_bytes_per_parameter():
-    assert bytes_per_parameter("none", 2) == 2.0 and bytes_per_parameter("none", 4) == 4.0
-    assert bytes_per_parameter("int8", in_features=1024) == pytest.approx(1 + 4 / 1024)
-    assert bytes_per_parameter("int4") == pytest.approx(0.5 + 8 / 128)
-    with pytest.raises(ValueError, match="no weight size for 'nf4'"):
-        bytes_per_parameter("nf4")
