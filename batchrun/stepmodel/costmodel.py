@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchrun.engine.step_stats import StepShape
+from batchrun.quant.formats import checkpoint_scheme
 from batchrun.stepmodel.catalog import GPU
 
 WEIGHT_BYTES = 2   # fp16/bf16 weights on a GPU
@@ -119,27 +120,16 @@ class ModelSpec:
 
 
 def checkpoint_weights(quantization_config, name: str = "model") -> str:
-    """The weight format (WEIGHT_FORMATS) a checkpoint's quantization_config declares; fp16 without one."""
+    """The weight format (WEIGHT_FORMATS) a checkpoint's quantization_config declares, read as the engine reads it
+    (quant.formats); fp16 without one. A format the engine does not run is named, with how to plan it anyway."""
     if not quantization_config:
         return "fp16"
-    q = quantization_config if isinstance(quantization_config, dict) else quantization_config.to_dict()
-    method = q.get("quant_method")
-    if method in ("awq", "gptq") and q.get("bits") == 4:
-        return "int4"
-    if method == "fp8":
-        return "fp8"
-    if method == "compressed-tensors":
-        schemes = {(w.get("num_bits"), w.get("type")) for group in (q.get("config_groups") or {}).values()
-                   if isinstance(group, dict) and isinstance(w := group.get("weights"), dict)}
-        formats = {{(8, "float"): "fp8", (8, "int"): "int8", (4, "int"): "int4"}.get(s) for s in schemes}
-        if len(formats) == 1 and None not in formats:
-            return formats.pop()
-    raise ValueError(f"model: {name!r} is quantized with {method!r} ({_scheme_text(q)}), which the planner cannot "
-                     f"size; pass --weights {'|'.join(WEIGHT_FORMATS)} to plan it as one of those")
-
-
-def _scheme_text(q: dict) -> str:
-    return ", ".join(f"{k}={q[k]}" for k in ("bits", "load_in_4bit", "bnb_4bit_quant_type", "format") if k in q) or "-"
+    qc = quantization_config if isinstance(quantization_config, dict) else quantization_config.to_dict()
+    try:
+        return checkpoint_scheme(qc).weights
+    except ValueError as exc:
+        raise ValueError(f"{exc} ({name!r}); pass --weights {'|'.join(WEIGHT_FORMATS)} to plan it as one of "
+                         f"those") from None
 
 
 def _moe_fields(get) -> dict:
