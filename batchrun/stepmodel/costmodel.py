@@ -8,6 +8,7 @@ per token and reads only the experts its tokens are routed to. LinearModel: t = 
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -56,11 +57,11 @@ class ModelSpec:
                        max_context=int(get("max_position_embeddings") or 4096),
                        tied_embeddings=bool(get("tie_word_embeddings", False)),
                        attention_bias=bool(get("attention_bias", False) or get("model_type") == "qwen2"),
-                       weights=checkpoint_weights(get("quantization_config"), name), **_moe_fields(get))
+                       **_moe_fields(get))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"model: the config of {name!r} lacks a usable field ({exc}); needs hidden_size, "
                              f"num_attention_heads, num_hidden_layers, intermediate_size, vocab_size") from exc
-        return spec
+        return dataclasses.replace(spec, weights=checkpoint_weights(get("quantization_config"), name))
 
     @property
     def attention_params(self) -> int:
