@@ -14,10 +14,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from batchrun.models import row_tiles
 
-
-def tile_products(model: nn.Module, tile: int = row_tiles.DEFAULT_TILE) -> None:
+def tile_products(model: nn.Module, tile: int) -> None:
     """Every linear layer, expert and KV rotation of `model` multiplies on tiles of `tile` rows."""
     for module in model.modules():
         if hasattr(module, "row_tile"):

@@ -66,7 +66,7 @@ class Engine:
         if packed:
             log.info("linear layers: oneDNN with pre-packed weights (%s)", str(self.dtype).removeprefix("torch."))
         if config.deterministic:
-            deterministic.tile_products(self.model)
+            deterministic.tile_products(self.model, row_tiles.DEFAULT_TILE)
             log.info("deterministic mode: products on tiles of %d rows, every attention row a decode of its own",
                      row_tiles.DEFAULT_TILE)
         if self.device.type == "cpu":

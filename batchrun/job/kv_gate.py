@@ -42,8 +42,8 @@ def kvcheck(spec: JobSpec, n: int, kv_cache_dtype: str | None = None) -> KVCheck
         raise JobError(f"{spec.where('engine', 'kv_cache_dtype')}: kvcheck compares an 8-bit KV dtype "
                        f"({', '.join(QUANTIZED)}) against unquantized KV, got {dtype!r}")
 
-    def make_llm(kv_dtype: str):
-        return LLM(model=spec.model, **{**options, "kv_cache_dtype": kv_dtype})
+    def make_llm(kv_dtype: str):   # both sides deterministic: the gate sees the quantization, not batch noise
+        return LLM(model=spec.model, **{**options, "kv_cache_dtype": kv_dtype, "deterministic": True})
 
     first = make_llm("auto")   # also gives the tokenizer and context length for encoding the sample
     prompts, params = sample(spec, first.tokenizer, first.engine.max_model_len, n)
