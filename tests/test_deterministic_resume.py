@@ -21,7 +21,7 @@ def texts(out: str) -> dict[str, str]:
 
 
 def test_bf16_job_killed_three_times_gives_the_uninterrupted_rows(tmp_path, tiny_model):
-    ids = write_prompts(tmp_path / "in.parquet", 36)
+    ids = write_prompts(tmp_path / "in.parquet", 30)
     whole = Job.from_yaml(write_job(tmp_path, tiny_model[0], name="whole", **SECTIONS)).run(progress="log")
     assert whole.exit_code == EXIT_OK
     job = write_job(tmp_path, tiny_model[0], **SECTIONS)
