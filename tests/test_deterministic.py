@@ -86,3 +86,28 @@ def test_whole_model_graph_keeps_rows_invariant(family_model, monkeypatch):
     assert llm.engine.model._graph is not None, "the engine did not compile the whole-model graph"
     alone = [_rows(llm, [p])[0] for p in PROMPTS[:3]]
     assert _rows(llm, PROMPTS[:3] + FILLER)[:3] == alone
+
+
+def test_job_identity_and_entry_points_carry_the_mode(tmp_path, tiny_model, monkeypatch):
+    from click.testing import CliRunner
+
+    import batchrun.engine.llm as llm_module
+    from batchrun.cli import main
+    from batchrun.job.spec import JobSpec
+    from jobkit import write_prompts
+    write_prompts(tmp_path / "in.parquet", 2)
+    base = {"model": tiny_model[0], "input": {"path": str(tmp_path / "in.parquet")},
+            "output": {"path": str(tmp_path / "out")}}
+    off, on = JobSpec(base), JobSpec({**base, "engine": {"deterministic": True}})
+    assert "deterministic" not in off.identity_fields(), "jobs written before the mode keep their identity"
+    assert on.identity_fields()["deterministic"] is True and on.identity() != off.identity()
+    assert on.engine_options["deterministic"] is True and off.engine_options["deterministic"] is False
+    seen = []
+
+    def record(config, admission_key=None):
+        seen.append(config.deterministic)
+        raise RuntimeError("built")
+    monkeypatch.setattr(llm_module, "Engine", record)
+    CliRunner().invoke(main, ["serve", "--model", tiny_model[0], "--deterministic"])
+    CliRunner().invoke(main, ["serve", "--model", tiny_model[0]])
+    assert seen == [True, False]
