@@ -229,10 +229,8 @@ class JobSpec:
 
     @property
     def engine_options(self) -> dict:
-        """The EngineConfig options the job sets (the others keep EngineConfig's defaults), and deterministic, whose
-        default for jobs is the job section's own."""
-        return {**self.engine.model_dump(exclude_unset=True, exclude={"lane"}),
-                "deterministic": self.engine.deterministic}
+        """The EngineConfig options the job sets (the others keep EngineConfig's defaults)."""
+        return self.engine.model_dump(exclude_unset=True, exclude={"lane"})
 
     def identity_fields(self) -> dict:
         """What decides the rows' contents: model, input (its path made absolute), sampling, and deterministic
