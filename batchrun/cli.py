@@ -115,6 +115,7 @@ _GENERATE_FLAGS = {("input", "limit"): "--limit", ("input", "prompt_column"): "-
                    ("input", "id_column"): "--id-column", ("sampling", "max_tokens"): "--max-tokens",
                    ("sampling", "temperature"): "--temperature", ("engine", "kv_cache_memory"): "--kv-cache-memory",
                    ("engine", "kv_cache_dtype"): "--kv-cache-dtype", ("engine", "max_num_seqs"): "--max-num-seqs",
+                   ("engine", "quantization"): "--quantization",
                    ("engine", "max_num_batched_tokens"): "--max-num-batched-tokens", ("model",): "--model",
                    ("output", "path"): "--output"}
 
@@ -135,13 +136,16 @@ _GENERATE_FLAGS = {("input", "limit"): "--limit", ("input", "prompt_column"): "-
 @click.option("--chat/--no-chat", default=False, help="Wrap each prompt as a user message in the chat template.")
 @click.option("--kv-cache-memory", help="KV pool size  [default: 2GiB on CPU, profiled on CUDA]")
 @click.option("--kv-cache-dtype", default=EngineConfig.kv_cache_dtype, show_default=True)
+@click.option("--quantization", default=EngineConfig.quantization, show_default=True,
+              help="Weights: none, int8 (W8A8), int8-w8a16, fp8, int4 or auto; a quantized checkpoint runs as it is.")
 @click.option("--max-num-seqs", type=POSITIVE_INT, default=EngineConfig.max_num_seqs, show_default=True)
 @click.option("--max-num-batched-tokens", type=POSITIVE_INT, default=EngineConfig.max_num_batched_tokens,
               show_default=True)
 @_RESTART
 @_PROGRESS
 def generate(parquet, model, output, limit, prompt_column, id_column, max_tokens, temperature, chat,
-             kv_cache_memory, kv_cache_dtype, max_num_seqs, max_num_batched_tokens, restart, progress) -> None:
+             kv_cache_memory, kv_cache_dtype, quantization, max_num_seqs, max_num_batched_tokens, restart,
+             progress) -> None:
     import os
 
     import pyarrow.parquet as pq
@@ -157,7 +161,8 @@ def generate(parquet, model, output, limit, prompt_column, id_column, max_tokens
                      "chat": chat, "limit": limit, "max_tokens_column": "max_tokens" if has_max_tokens else None},
            "sampling": {"max_tokens": max_tokens, "temperature": temperature},
            "engine": {"kv_cache_memory": kv_cache_memory, "kv_cache_dtype": kv_cache_dtype,
-                      "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens},
+                      "quantization": quantization, "max_num_seqs": max_num_seqs,
+                      "max_num_batched_tokens": max_num_batched_tokens},
            "output": {"path": os.path.abspath(output or os.path.join("batchrun-out", stem))}}
     try:
         job_ = Job(JobSpec(raw, "batchrun generate", dict(_GENERATE_FLAGS)))
@@ -209,17 +214,21 @@ def validate(job, overrides) -> None:
     click.echo(json.dumps(report, indent=2))
 
 
-@main.command(help="Compare N of JOB's prompts, greedy, with unquantized KV and with the job's 8-bit KV dtype.")
+@main.command(help="Compare N of JOB's prompts, greedy, with unquantized KV and weights and with the job's 8-bit "
+                   "KV dtype and/or quantized weights.")
 @click.argument("job", type=click.Path(dir_okay=False))
 @_SET
 @click.option("--sample", "sample", type=POSITIVE_INT, default=32, show_default=True,
               help="How many of the job's prompts.")
-@click.option("--dtype", "kv_dtype", type=click.Choice(["int8", "fp8"]), help="Default: the job's kv_cache_dtype.")
-def kvcheck(job, overrides, sample, kv_dtype) -> None:
+@click.option("--dtype", "kv_dtype", type=click.Choice(["auto", "int8", "fp8"]),
+              help="KV dtype. Default: the job's kv_cache_dtype.")
+@click.option("--quantization", help="Weights (none, int8, int8-w8a16, fp8, int4). Default: the job's "
+              "engine.quantization.")
+def kvcheck(job, overrides, sample, kv_dtype, quantization) -> None:
     from batchrun.job import Job, JobError
     from batchrun.job.kv_gate import kvcheck as run
     try:
-        report = run(Job.from_yaml(job, list(overrides)).spec, sample, kv_dtype)
+        report = run(Job.from_yaml(job, list(overrides)).spec, sample, kv_dtype, quantization)
     except JobError as exc:
         _fail(exc)
     except ValueError as exc:
@@ -235,6 +244,9 @@ def kvcheck(job, overrides, sample, kv_dtype) -> None:
 @click.option("--gpu", "gpus", multiple=True, help="GPU type from the catalog (repeatable; default: all), e.g. H100.")
 @click.option("--kv-dtype", "kv_dtypes", multiple=True, help="KV dtype to compare (repeatable; default: float16, "
               "int8, fp8).")
+@click.option("--weights", "weight_formats", multiple=True, type=click.Choice(["fp16", "int8", "fp8", "int4"]),
+              help="Weight format to compare (repeatable; default: the checkpoint's own). int8/fp8 from a 16-bit "
+              "checkpoint are quantized at load; int4 needs an AWQ or GPTQ checkpoint.")
 @click.option("--deadline", help="Finish within this time: 6h, 90m, 1h30m, 2d, a clock time 07:00 or a date-time "
               "2030-01-31T06:00 (default: the job file's deadline:).")
 @click.option("--price", "prices", multiple=True, metavar="GPU=USD", help="$/GPU-hour override (repeatable).")
@@ -259,9 +271,9 @@ def kvcheck(job, overrides, sample, kv_dtype) -> None:
               "dtype (memory limits marked) and the job's predicted progress to this PNG (needs matplotlib: "
               "pip install 'batchrun[plot]').")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
-def plan(job, overrides, gpus, kv_dtypes, deadline, prices, catalog, model_config, utilization, max_num_seqs,
-         calibrate, pilot_fraction, interactive_rate, interactive_prompt_tokens, interactive_output_tokens, ttft_p95,
-         tpot_p95, headroom, plot_path, as_json) -> None:
+def plan(job, overrides, gpus, kv_dtypes, weight_formats, deadline, prices, catalog, model_config, utilization,
+         max_num_seqs, calibrate, pilot_fraction, interactive_rate, interactive_prompt_tokens,
+         interactive_output_tokens, ttft_p95, tpot_p95, headroom, plot_path, as_json) -> None:
     from batchrun.job import JobError
     from batchrun.job.spec import JobSpec
     from batchrun.planner import api as planner_api, mixed
@@ -287,7 +299,7 @@ def plan(job, overrides, gpus, kv_dtypes, deadline, prices, catalog, model_confi
             from batchrun.planner.calibrate import calibrate as run_calibration
             report = run_calibration(spec, the_planner.work, pilot_fraction)
         else:
-            report = planner_api.run_plan(the_planner, chosen, kv_dtypes, traffic)
+            report = planner_api.run_plan(the_planner, chosen, kv_dtypes, traffic, weight_formats)
             if plot_path:
                 from batchrun.planner.plot import draw
                 draw(the_planner, report, chosen, plot_path)
@@ -351,6 +363,8 @@ def _engine_overrides(items) -> dict:
               help="Larger request bodies get 413 before they are read.")
 @click.option("--kv-cache-memory", help="KV pool size  [default: 2GiB on CPU, profiled on CUDA]")
 @click.option("--kv-cache-dtype", default=EngineConfig.kv_cache_dtype, show_default=True)
+@click.option("--quantization", default=EngineConfig.quantization, show_default=True,
+              help="Weights: none, int8 (W8A8), int8-w8a16, fp8, int4 or auto; a quantized checkpoint runs as it is.")
 @click.option("--max-num-seqs", type=POSITIVE_INT, default=EngineConfig.max_num_seqs, show_default=True)
 @click.option("--max-num-batched-tokens", type=POSITIVE_INT, default=EngineConfig.max_num_batched_tokens,
               show_default=True)
@@ -361,8 +375,8 @@ def _engine_overrides(items) -> dict:
 @click.option("--engine", "engine_items", multiple=True, metavar="KEY=VALUE",
               help="Any other engine option (see batchrun/config.py), e.g. --engine block_size=32 (repeatable).")
 def serve(model, host, port, api_key, served_model_name, max_prompt_tokens, max_tokens_limit, max_pending,
-          max_body_bytes, kv_cache_memory, kv_cache_dtype, max_num_seqs, max_num_batched_tokens, max_model_len,
-          deterministic, engine_items) -> None:
+          max_body_bytes, kv_cache_memory, kv_cache_dtype, quantization, max_num_seqs, max_num_batched_tokens,
+          max_model_len, deterministic, engine_items) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP endpoint (/v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics); requests go to the engine's interactive lane. Needs the serve extra (fastapi, uvicorn)."""
     try:
@@ -373,7 +387,8 @@ def serve(model, host, port, api_key, served_model_name, max_prompt_tokens, max_
         raise click.UsageError(f"batchrun serve needs the serve extra: pip install 'batchrun[serve]' ({exc})")
     from batchrun import LLM
 
-    options = dict(kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs,
+    options = dict(kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype, quantization=quantization,
+                   max_num_seqs=max_num_seqs,
                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                    deterministic=deterministic)
     options.update(_engine_overrides(engine_items))

@@ -9,6 +9,9 @@ from typing import Literal, get_args
 KVCacheDtype = Literal["auto", "float32", "float16", "bfloat16", "int8", "fp8"]
 ComputeDtype = Literal["auto", "float32", "float16", "bfloat16"]
 AttentionBackend = Literal["auto", "torch", "triton"]
+# Weight quantization of a float checkpoint at load (batchrun/quant/formats.py); a quantized checkpoint runs in
+# its own format with none or auto.
+Quantization = Literal["none", "auto", "int8", "int8-w8a16", "fp8", "int4"]
 KV_CACHE_DTYPES, ATTENTION_BACKENDS = get_args(KVCacheDtype), get_args(AttentionBackend)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -39,6 +42,7 @@ class EngineConfig:
     # Compute dtype. "auto": bfloat16 on CPUs with native bf16 (probed), else float32; on CUDA the model's 16-bit dtype.
     dtype: ComputeDtype = "auto"
     kv_cache_dtype: KVCacheDtype = "auto"   # storage dtype of the paged KV cache
+    quantization: Quantization = "none"     # weights: none, int8 (W8A8), int8-w8a16, fp8, int4 (W4A16), auto
     kv_cache_memory: str | int | None = None  # KV pool budget; default 2GiB on CPU, profiled on CUDA
     gpu_memory_utilization: float = 0.9
     block_size: int = 16
@@ -68,6 +72,9 @@ class EngineConfig:
             raise ValueError(f"dtype: unknown value {self.dtype!r}; allowed: {', '.join(get_args(ComputeDtype))}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: unknown value {self.kv_cache_dtype!r}; allowed: {', '.join(KV_CACHE_DTYPES)}")
+        if self.quantization not in get_args(Quantization):
+            raise ValueError(f"quantization: unknown value {self.quantization!r}; "
+                             f"allowed: {', '.join(get_args(Quantization))}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend: unknown value {self.attention_backend!r}; "
                              f"allowed: {', '.join(ATTENTION_BACKENDS)}")

@@ -70,7 +70,8 @@ def test_first_token_agreement_tiny_model(tiny_model, dtype, min_identical):
     """The tiny random model is chaotic (any perturbation flips later near-ties; even bfloat16 KV does), so
     here greedy agreement is measured on the first token; the 64-token gate is tested on SmolLM2 (slow)."""
     prompts = random_prompts([5, 9, 17, 23, 31, 40, 3, 12, 28, 50, 7, 19, 33, 44, 61, 2, 14, 26, 38, 70], seed=11)
-    report = run_kvcheck(lambda kv: LLM(model=tiny_model[0], block_size=4, kv_cache_memory="4MiB", kv_cache_dtype=kv),
+    report = run_kvcheck(lambda kv, weights: LLM(model=tiny_model[0], block_size=4, kv_cache_memory="4MiB",
+                                                     kv_cache_dtype=kv, quantization=weights),
                          prompts, [SamplingParams(max_tokens=1, ignore_eos=True)] * len(prompts), dtype)
     print(report.summary())
     assert report.identical_fraction >= min_identical
@@ -95,6 +96,7 @@ def test_int8_gate_on_smollm2():
     rows = pq.read_table(Path(__file__).resolve().parents[1] / "sample_data" / "prompts.parquet").slice(0, 40)
     prompts = rows.column("prompt").to_pylist()
     params = [SamplingParams(max_tokens=64)] * len(prompts)
-    report = run_kvcheck(lambda kv: LLM(kv_cache_memory="512MiB", kv_cache_dtype=kv), prompts, params, "int8")
+    report = run_kvcheck(lambda kv, weights: LLM(kv_cache_memory="512MiB", kv_cache_dtype=kv, quantization=weights),
+                         prompts, params, "int8")
     print(report.summary())
     assert report.identical_fraction >= 0.9

@@ -9,6 +9,7 @@ import batchrun
 FLOORS = [
     {"cpuinfo", "paths", "config", "structured", "attention_metadata", "admission_order", "deadline"},
     {"sampling_params", "kernels", "models"},
+    {"quant"},                               # quantized weights: formats, kernels, the loader's hook
     {"engine"},
     {"stepmodel", "kvcheck"},                # below the job (its ETA, its KV gate) and the planner
     {"job"},

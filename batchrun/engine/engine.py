@@ -22,6 +22,7 @@ from batchrun.engine.step_stats import StepShape, StepStats
 from batchrun.engine.stop import StopRule
 from batchrun.models import cpu_gemm, graph, row_tiles
 from batchrun.models.registry import model_class
+from batchrun.quant import formats as quant_formats, load as quant_load
 from batchrun.sampling_params import SamplingParams, sample_seed
 from batchrun.structured import GrammarCompiler
 
@@ -49,6 +50,7 @@ class Engine:
                                    else ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model_path = loader.resolve_model_path(config.model)
         self.hf_config = loader.load_config(self.model_path, config.trust_remote_code)
+        self.quant_scheme = quant_formats.scheme_for(self.hf_config, config.quantization, self.device.type)
         self.tokenizer = loader.load_tokenizer(config.tokenizer or self.model_path, config.trust_remote_code)
         self.dtype = self._compute_dtype()
         self.kv_dtype = kv_cache.storage_dtype(config.kv_cache_dtype, self.dtype)   # the batch lane's
@@ -58,8 +60,11 @@ class Engine:
             model_cls = model_class(self.hf_config.model_type)
             self.model = model_cls(self.hf_config, get_backend(config.attention_backend, self.device,
                                                                config.deterministic))
-        self.model.load_state_dict(loader.load_weights(self.model_path, self.device, self.dtype,
-                                                       self.model.checkpoint_plan), assign=True)
+        plan, build = quant_load.plan_and_build(self.model, self.quant_scheme, self.device, self.dtype)
+        self.model.load_state_dict(loader.load_weights(self.model_path, self.device, self.dtype, plan, build),
+                                   assign=True)
+        if self.quant_scheme is not None:
+            log.info("weights: %s", self.quant_scheme.description)
         self.model.init_rope(self.max_model_len, self.device, self.dtype)
         self.model.eval()
         packed = self.device.type == "cpu" and self.model.pack_for_cpu()

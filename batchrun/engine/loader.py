@@ -112,25 +112,35 @@ def check_weights(path: str) -> None:
 
 
 def load_weights(path: str, device: torch.device, dtype: torch.dtype,
-                 plan: Callable[[list[str]], dict[str, tuple[str, ...]]]) -> dict[str, torch.Tensor]:
+                 plan: Callable[[list[str]], dict[str, tuple[str, ...]]],
+                 build: Callable[[str, tuple[str, ...], Callable, Callable], torch.Tensor | None] | None = None
+                 ) -> dict[str, torch.Tensor]:
     """The model's tensors, built one at a time from the safetensors files: `plan` maps each of the model's names
     to the checkpoint tensors concatenated into it. Only the tensor being built is held twice, so the peak stays
-    near the weights' own size (not the checkpoint's plus the fused copies)."""
+    near the weights' own size (not the checkpoint's plus the fused copies). `build(name, sources, read, has)`,
+    where given, builds the tensors it takes (quantized layers, batchrun/quant/load.py) and returns None for the
+    others."""
     check_weights(path)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     with contextlib.ExitStack() as stack:
         readers = [SafetensorsReader(stack.enter_context(open(f, "rb"))) for f in files]
         where = {name: reader for reader in readers for name in reader.entries}
+
+        def read(source: str) -> torch.Tensor:
+            if source not in where:
+                raise ValueError(f"model: the checkpoint in {path!r} has no tensor {source!r}")
+            return where[source].read(source)
+
         built: dict[tuple[str, ...], torch.Tensor] = {}
         weights = {}
         for name, sources in plan(list(where)).items():
             if sources not in built:
-                missing = [s for s in sources if s not in where]
-                if missing:
-                    raise ValueError(f"model: the checkpoint in {path!r} has no tensor {missing[0]!r}")
-                parts = [where[s].read(s).to(device=device, dtype=dtype) for s in sources]
-                built[sources] = parts[0] if len(parts) == 1 else torch.cat(parts)
-                del parts
+                tensor = build(name, sources, read, where.__contains__) if build else None
+                if tensor is None:
+                    parts = [read(s).to(device=device, dtype=dtype) for s in sources]
+                    tensor = parts[0] if len(parts) == 1 else torch.cat(parts)
+                    del parts
+                built[sources] = tensor
             weights[name] = built[sources]
     return weights
 

@@ -29,6 +29,7 @@ def check_model(spec: JobSpec) -> ModelFacts:
 
     from batchrun.engine import kv_cache, kv_sizing
     from batchrun.engine.loader import check_weights, load_config, load_tokenizer, max_model_len, resolve_model_path
+    from batchrun.quant.formats import scheme_for
     engine = spec.engine
     config = EngineConfig(model=spec.model, **spec.engine_options)
     try:
@@ -50,6 +51,11 @@ def check_model(spec: JobSpec) -> ModelFacts:
     except ValueError as exc:
         raise spec.fail(("model",), str(exc).removeprefix("model: ")) from exc
     on_cpu = config.device == "cpu" or not torch.cuda.is_available()
+    try:   # a quantization the engine would refuse, from config.json alone
+        scheme_for(hf_config, config.quantization, "cpu" if on_cpu else "cuda")
+    except ValueError as exc:
+        field = ("engine", "quantization") if str(exc).startswith("quantization:") else ("model",)
+        raise spec.fail(field, str(exc).removeprefix("quantization: ").removeprefix("model: ")) from exc
     kv_dtype = kv_cache.storage_dtype(config.kv_cache_dtype, torch.float32 if on_cpu else torch.float16)
     kv_bytes = kv_cache.bytes_per_token(shape.num_layers, shape.kv_heads, shape.head_dim, kv_dtype)
     budget, sizing = _kv_budget(config, path, on_cpu)

@@ -162,6 +162,7 @@ class JobRunner:
                               "kv_cache_dtype": engine.config.kv_cache_dtype,
                               "compute_dtype": str(engine.dtype).removeprefix("torch."),
                               "deterministic": engine.config.deterministic,
+                              "quantization": engine.config.quantization,
                               "kv_quality_gate": kv_gate.saved_decision(out_dir),
                               "longest_first": batching.longest_first})
 

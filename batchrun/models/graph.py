@@ -42,6 +42,10 @@ def register(owner: object, obj: Any) -> int:
     return handle
 
 
+def lookup(handle: int) -> Any:
+    return _objects[handle]
+
+
 @contextlib.contextmanager
 def step(segments):
     """Makes `segments` (the step's attention metadata per KV pool) the ones the attention op reads."""

@@ -15,11 +15,14 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None
     handle: int | None = None
     row_tile: int = 0   # > 0: deterministic mode, every product on tiles of this many rows (row_tiles.py)
+    quantized = None   # a batchrun.quant.linear.QuantizedLinear where the loader quantized this layer
 
     def pack_for_cpu(self, keep_dense: bool = False) -> bool:
         """Pack the weight; unless `keep_dense` (another module reads the same tensor, as a tied embedding does),
         drop the dense copy: the packed one is then the only copy (the weight becomes an empty tensor of its
         dtype)."""
+        if self.quantized is not None:   # its kernel packed it at load
+            return True
         self.packed = cpu_gemm.pack(self.weight)
         if self.packed is None:
             return False
@@ -29,6 +32,8 @@ class Linear(nn.Linear):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized(x, self.bias)
         if self.packed is None and not self.row_tile:
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, self.in_features)

@@ -1,0 +1,124 @@
+"""CPU matrix products for quantized weights, each built once at load from the canonical QuantizedWeight (the CPU
+packing happens here, and only on the CPU). A kernel is called with x [M, K] (bfloat16 or float32) and returns
+x @ w^T [M, N] in x's dtype, without bias.
+
+Measured with bench/quant_kernels.py (Intel Xeon with AVX-512 BF16/VNNI and AMX; 2 threads on a machine shared
+with other work, load average 1.6-2: ratios within one run; one decoder layer's four products, bfloat16
+activations; ms, lower is better):
+
+                              bf16 packed  fp32 packed  w8a16  w8a8-onednn  w8a8-intmm  fp8-scaledmm  fp8-dequant  int4
+    SmolLM2, 32 rows (decode)     8.5          7.4      13.9       3.9         0.9         81.0          91.7       5.4
+    SmolLM2, 1,024 rows          13.4         63.9     126.0     215.2       213.9        229.4         157.2     131.8
+    0.3B Llama, 32 rows          25.4         35.5      40.6       8.8        17.2        348.2         211.7      30.3
+    0.3B Llama, 1,024 rows      118.5        602.2    1241.1     398.3       739.1       1690.6        1101.4    1129.5
+
+So linear.py picks: W8A8 -> oneDNN qlinear (2.2-2.9x the bf16 path at decode; 0.3x at a 1,024-row prefill
+chunk, where AMX bf16 wins; _int_mm was faster on SmolLM2's small decode products in this single noisy run but 2x
+slower than oneDNN on the 0.3B shapes, not re-measured), W8A16 -> _weight_int8pack_mm (the only int8-weight,
+16-bit-activation kernel shipped; slower than bf16), fp8 -> the widening emulation (torch._scaled_mm on the CPU
+is slower still at decode), int4 -> the int4pack kernel (1.6x bf16 on SmolLM2's decode, 0.84x on the 0.3B
+shape). No shipped kernel beats packed bf16 at prefill sizes.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from batchrun.quant.quantize import fake_quantize_rows
+from batchrun.quant.weights import QuantizedWeight, unpack_int4
+
+BATCH_HINT = 32   # the row count qlinear_prepack tunes for (decode steps)
+INT4_INNER_K_TILES = 8
+
+
+def _by_dtype(t: torch.Tensor) -> dict[torch.dtype, torch.Tensor]:
+    return {dtype: t.to(dtype) for dtype in (torch.float32, torch.bfloat16, torch.float16)}
+
+
+def _gather(x: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
+    return x if perm is None else x.index_select(1, perm)
+
+
+class Int8WeightOnly:
+    """W8A16: aten._weight_int8pack_mm (the scales must be in the activations' dtype)."""
+
+    def __init__(self, w: QuantizedWeight):
+        self.data, self.scales = w.data.contiguous(), _by_dtype(w.scale)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.data, self.scales[x.dtype])
+
+
+class Int8OneDNN:
+    """W8A8: the activations quantized per token (or by the static scale), int8 x int8 through oneDNN's
+    qlinear on a pre-packed weight, the weight scale applied inside, the row scale after."""
+
+    def __init__(self, w: QuantizedWeight):
+        self.packed = torch.ops.onednn.qlinear_prepack(w.data.contiguous(), [BATCH_HINT, w.in_features])
+        self.scale, self.input_scale = w.scale.float(), w.input_scale
+        self.zero_points = torch.zeros(w.out_features, dtype=torch.long)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        qx, row_scale = fake_quantize_rows(x, "int8", self.input_scale)
+        acc = torch.ops.onednn.qlinear_pointwise(qx, 1.0, 0, self.packed, self.scale, self.zero_points, None, 1.0, 0,
+                                                 torch.float32, "none", [], "")
+        return (acc * row_scale).to(x.dtype)
+
+
+class Int8IntMM:
+    """W8A8 through aten._int_mm (int8 x int8 -> int32), both scales applied after."""
+
+    def __init__(self, w: QuantizedWeight):
+        self.weight_t = w.data.t()
+        self.scale, self.input_scale = w.scale.float(), w.input_scale
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        qx, row_scale = fake_quantize_rows(x, "int8", self.input_scale)
+        return (torch._int_mm(qx, self.weight_t) * row_scale * self.scale).to(x.dtype)
+
+
+class Fp8ScaledMM:
+    """FP8 W8A8: e4m3 activations per token, torch._scaled_mm with row-wise scales."""
+
+    def __init__(self, w: QuantizedWeight):
+        self.weight_t, self.scale, self.input_scale = w.data.t(), w.scale.float()[None, :], w.input_scale
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        fx, row_scale = fake_quantize_rows(x, "fp8", self.input_scale)
+        return torch._scaled_mm(fx, self.weight_t, scale_a=row_scale, scale_b=self.scale, out_dtype=x.dtype)
+
+
+class Fp8Dequant:
+    """FP8 emulated: the e4m3 weight (and activations, when W8A8) widened to the activations' dtype at each call
+    (exactly: e4m3 values are representable in bf16), one float product, the scales applied after."""
+
+    def __init__(self, w: QuantizedWeight):
+        self.data, self.scales = w.data, _by_dtype(w.scale)
+        self.activations, self.input_scale = w.activations, w.input_scale
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activations == "fp8":
+            fx, row_scale = fake_quantize_rows(x, "fp8", self.input_scale)
+            return (F.linear(fx.to(x.dtype), self.data.to(x.dtype)) * row_scale * self.scales[torch.float32]
+                    ).to(x.dtype)
+        return F.linear(x, self.data.to(x.dtype)) * self.scales[x.dtype]
+
+
+class Int4Packed:
+    """W4A16: aten._weight_int4pack_mm_for_cpu on a weight packed once by _convert_weight_to_int4pack_for_cpu.
+    Its dequant is (q - 8) * scale + offset, so the canonical zero point becomes offset = (8 - zero) * scale."""
+
+    def __init__(self, w: QuantizedWeight):
+        self.group_size, self.perm = w.group_size, w.input_perm
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(w.data).to(torch.int32),
+                                                                         INT4_INNER_K_TILES)
+        scale_and_offset = torch.stack([w.scale.t(), ((8 - w.zeros) * w.scale).t()], dim=-1).contiguous()
+        self.scale_and_offset = _by_dtype(scale_and_offset)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(_gather(x, self.perm), self.packed, self.group_size,
+                                                          self.scale_and_offset[x.dtype])
+
+
+KERNELS = {"w8a16": Int8WeightOnly, "w8a8-onednn": Int8OneDNN, "w8a8-intmm": Int8IntMM,
+           "fp8-scaledmm": Fp8ScaledMM, "fp8-dequant": Fp8Dequant, "int4": Int4Packed}

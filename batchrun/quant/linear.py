@@ -1,0 +1,77 @@
+"""A Linear layer's product through a quantized kernel: which kernel runs each format on each device, and the
+opaque op `batchrun::quant_linear` that runs it inside the whole-model torch.compile graph (found by handle, as
+the packed float weights are, graph.py).
+
+CPU choice (measured, cpu_kernels.py): int8 W8A8 -> oneDNN qlinear (aten._int_mm where this torch lacks it),
+int8 W8A16 -> aten._weight_int8pack_mm, fp8 -> emulated (e4m3 widened at each call), int4 -> aten's int4pack.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from batchrun.models import graph
+from batchrun.quant import cpu_kernels
+from batchrun.quant.weights import QuantizedWeight
+
+Kernel = Callable[[torch.Tensor], torch.Tensor]
+
+
+def cpu_kernel_name(weight: QuantizedWeight) -> str:
+    if weight.kind == "int8":
+        if weight.activations == "none":
+            return "w8a16"
+        return "w8a8-onednn" if hasattr(torch.ops.onednn, "qlinear_prepack") else "w8a8-intmm"
+    return {"fp8": "fp8-dequant", "int4": "int4"}[weight.kind]
+
+
+class Concatenated:
+    """Fused projections that cannot share one kernel (GPTQ act-order: each has its own input order): each runs
+    on the input, the outputs side by side."""
+
+    def __init__(self, kernels: list[Kernel]):
+        self.kernels = kernels
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([kernel(x) for kernel in self.kernels], dim=1)
+
+
+def make_kernel(parts: list[QuantizedWeight]) -> Kernel:
+    """The kernel for one layer from its canonical weight(s) (one per distinct input order)."""
+    def one(weight: QuantizedWeight) -> Kernel:
+        if weight.data.device.type == "cuda":
+            from batchrun.quant import cuda_kernels
+            return cuda_kernels.make(weight)
+        return cpu_kernels.KERNELS[cpu_kernel_name(weight)](weight)
+    kernels = [one(part) for part in parts]
+    return kernels[0] if len(kernels) == 1 else Concatenated(kernels)
+
+
+class QuantizedLinear:
+    """Set on a Linear (its `quantized`) by the loader; called with the layer's input and bias."""
+
+    def __init__(self, owner, kernel: Kernel, out_features: int, description: str, nbytes: int):
+        self.kernel, self.out_features, self.description = kernel, out_features, description
+        self.nbytes = nbytes   # the canonical weight's (codes, scales, zero points): what the layer holds
+        self.handle = graph.register(owner, kernel)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if torch.compiler.is_compiling():
+            out = torch.ops.batchrun.quant_linear(rows, self.handle, self.out_features)
+        else:
+            out = self.kernel(rows)
+        if bias is not None:
+            out = out + bias
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
+
+
+@torch.library.custom_op("batchrun::quant_linear", mutates_args=())
+def quant_linear(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+    return graph.lookup(handle)(x)
+
+
+@quant_linear.register_fake
+def _(x, handle, out_features):
+    return x.new_empty(x.shape[0], out_features)

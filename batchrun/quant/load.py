@@ -1,0 +1,91 @@
+"""Load a model with quantized linear layers, one checkpoint module at a time: each decoder projection is read
+(or quantized from its float tensor) straight into its kernel's form, so the float model never exists in memory.
+
+The layers quantized are the decoder layers' Linear modules (attention and MLP projections); embeddings, the LM
+head, norms and MoE routers stay in the compute dtype, as vLLM and llm-compressor leave them.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from batchrun.models import cpu_gemm
+from batchrun.models.layers import Linear
+from batchrun.quant import checkpoints, weights as qweights
+from batchrun.quant.formats import Scheme
+from batchrun.quant.linear import QuantizedLinear, make_kernel
+MARKERS = {"load": "weight", "compressed-tensors": "weight_scale", "awq": "qweight", "gptq": "qweight"}
+QUANT_ONLY = set(checkpoints.SUFFIXES) - {"weight"}
+
+
+def targets(model: nn.Module) -> dict[str, Linear]:
+    """The Linear modules that get quantized: the decoder layers' projections, not a MoE router (`.gate`)."""
+    return {name: m for name, m in model.named_modules()
+            if isinstance(m, Linear) and name.startswith("model.layers.") and not name.endswith(".gate")}
+
+
+def route(plan: dict[str, tuple[str, ...]], names: set[str], layers: dict[str, Linear], scheme: Scheme
+          ) -> dict[str, tuple[str, ...]]:
+    """The model's plan with each quantized layer's tensors (weight, scales, zero points...) folded into one entry,
+    `<layer>.weight` -> the checkpoint module prefixes fused into it. A quantized tensor anywhere else is refused
+    by name (before any weight is read)."""
+    routed = {}
+    for name, sources in plan.items():
+        prefix, _, suffix = name.rpartition(".")
+        source_prefixes = tuple(s.rpartition(".")[0] for s in sources)
+        quantized = f"{source_prefixes[0]}.{MARKERS[scheme.source]}" in names
+        if prefix in layers and suffix in checkpoints.SUFFIXES and quantized:
+            routed[f"{prefix}.weight"] = source_prefixes
+        elif suffix in QUANT_ONLY:
+            raise ValueError(f"model: tensor {sources[0]!r} is quantized ({scheme.label}), but batchrun reads "
+                             f"quantized weights only in the decoder layers' linear layers")
+        else:
+            routed[name] = sources
+    return routed
+
+
+def plan_and_build(model: nn.Module, scheme: Scheme | None, device: torch.device, dtype: torch.dtype
+                   ) -> tuple[Callable, Callable | None]:
+    """The `plan` and `build` arguments of engine/loader.load_weights: without a scheme the model's own plan; with
+    one, each quantized layer gets its kernel (its `quantized`) and an empty weight as it is read."""
+    if scheme is None:
+        return model.checkpoint_plan, None
+    layers = targets(model)
+
+    def plan(names: list[str]) -> dict[str, tuple[str, ...]]:
+        return route(model.checkpoint_plan(names), set(names), layers, scheme)
+
+    def build(name: str, sources: tuple[str, ...], read: Callable, has: Callable) -> torch.Tensor | None:
+        prefix = name.removesuffix(".weight")
+        if prefix not in layers or not name.endswith(".weight") or has(sources[0]):
+            return None   # a float tensor (a routed entry's sources are module prefixes, not tensor names)
+        parts = [checkpoints.read_module(scheme, read, has, p).to(device) for p in sources]
+        layer = layers[prefix]
+        layer.weight = nn.Parameter(torch.empty(0, dtype=dtype, device=device), requires_grad=False)
+        layer.quantized = QuantizedLinear(layer, make_kernel(_group_by_input_order(parts, prefix)),
+                                          layer.out_features, scheme.description, sum(p.nbytes for p in parts))
+        del parts
+        if device.type == "cpu":   # the float read buffers just freed stay resident in glibc's heap otherwise
+            cpu_gemm.return_freed_memory(now=True)
+        return layer.weight.data
+    return plan, build
+
+
+def _group_by_input_order(parts: list[qweights.QuantizedWeight], name: str) -> list[qweights.QuantizedWeight]:
+    """Fused projections stacked into one canonical weight; where their inputs are gathered in different orders
+    (GPTQ act-order) one per order, run side by side."""
+    groups: list[list[qweights.QuantizedWeight]] = []
+    for part in parts:
+        if groups and _same_order(groups[-1][0], part):
+            groups[-1].append(part)
+        else:
+            groups.append([part])
+    return [qweights.concat(group, name) for group in groups]
+
+
+def _same_order(a: qweights.QuantizedWeight, b: qweights.QuantizedWeight) -> bool:
+    if a.input_perm is None or b.input_perm is None:
+        return a.input_perm is None and b.input_perm is None
+    return torch.equal(a.input_perm, b.input_perm)
