@@ -36,6 +36,7 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
     triton_step: Any = None   # tensors the Triton backend derives once per step, at the first layer
+    row_tables: Any = None    # deterministic mode: one decode per row (engine/row_attention.py), built likewise
 
 
 @dataclass

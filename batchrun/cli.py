@@ -369,11 +369,14 @@ def _engine_overrides(items) -> dict:
 @click.option("--max-num-batched-tokens", type=POSITIVE_INT, default=EngineConfig.max_num_batched_tokens,
               show_default=True)
 @click.option("--max-model-len", type=POSITIVE_INT)
+@click.option("--deterministic/--no-deterministic", default=EngineConfig.deterministic, show_default=True,
+              help="A request's output does not depend on what else the server runs at the same time (at a cost "
+                   "in throughput; README, deterministic mode).")
 @click.option("--engine", "engine_items", multiple=True, metavar="KEY=VALUE",
               help="Any other engine option (see batchrun/config.py), e.g. --engine block_size=32 (repeatable).")
 def serve(model, host, port, api_key, served_model_name, max_prompt_tokens, max_tokens_limit, max_pending,
           max_body_bytes, kv_cache_memory, kv_cache_dtype, quantization, max_num_seqs, max_num_batched_tokens,
-          max_model_len, engine_items) -> None:
+          max_model_len, deterministic, engine_items) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP endpoint (/v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics); requests go to the engine's interactive lane. Needs the serve extra (fastapi, uvicorn)."""
     try:
@@ -386,7 +389,8 @@ def serve(model, host, port, api_key, served_model_name, max_prompt_tokens, max_
 
     options = dict(kv_cache_memory=kv_cache_memory, kv_cache_dtype=kv_cache_dtype, quantization=quantization,
                    max_num_seqs=max_num_seqs,
-                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
+                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                   deterministic=deterministic)
     options.update(_engine_overrides(engine_items))
     if max_pending <= 0:
         raise click.BadParameter("must be a positive integer", param_hint="--max-pending")

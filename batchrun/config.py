@@ -52,6 +52,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: AttentionBackend = "auto"
     seed: int = 0
+    # A row's logits do not depend on what else shares its step (batch-invariant products and attention, see
+    # engine/deterministic.py): a row re-run alone or a resumed job gives the same outputs, at a measured cost.
+    deterministic: bool = False
     # Interactive lane: its own 16-bit KV pool (float32 on CPU), admitted first, capped, never preempted by batch.
     interactive_lane: bool = False
     interactive_kv_memory: str | int | None = None   # default: an eighth of the KV budget

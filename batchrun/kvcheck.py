@@ -1,6 +1,12 @@
 """Precision quality gate: the same prompts, greedy, on the unquantized model (16-bit weights and KV) and with
 quantized weights (engine.quantization) and/or an 8-bit KV dtype, compared token for token and by the chosen
-tokens' logprobs."""
+tokens' logprobs.
+
+Both sides run in deterministic mode (engine.deterministic), so a difference comes from the quantization alone, not
+from which rows happened to share a step (at 16 bits that noise alone changed greedy outputs). Beside the share of
+identical outputs the report gives a distribution figure: the mean change in log-likelihood of the reference's
+tokens under the quantized run, over the positions where both runs have the same context (before the first
+differing token); 0 for identical outputs, negative where quantization makes the reference's tokens less likely."""
 from __future__ import annotations
 
 import gc
@@ -18,6 +24,7 @@ class KVCheckReport:
     identical_fraction: float         # requests whose greedy outputs are token-for-token identical
     mean_first_diff: float | None     # mean position of the first differing token, over differing requests
     mean_abs_logprob_diff: float      # chosen-token logprobs, over positions before the first difference
+    mean_delta_loglik: float          # candidate - reference logprob of the reference's token, same positions
     quantization: str = "none"        # the candidate's weights (engine.quantization; the reference's: none)
     mean_logprob: float | None = None            # candidate's chosen tokens, per token (its own outputs)
     reference_mean_logprob: float | None = None  # the reference's, per token
@@ -30,12 +37,13 @@ class KVCheckReport:
         weights = "" if self.quantization == "none" else f"weights {self.quantization}, "
         return (f"{weights}kv {self.kv_cache_dtype} vs {self.reference_dtype}: {self.identical_fraction:.1%} of "
                 f"{self.requests} greedy outputs identical, first difference at token {first} on average, "
-                f"mean |d logprob| {self.mean_abs_logprob_diff:.4f}")
+                f"mean |d logprob| {self.mean_abs_logprob_diff:.4f}, d log-likelihood of the reference tokens "
+                f"{self.mean_delta_loglik:+.4f} per token")
 
 
 def compare(reference: list[RequestOutput], candidate: list[RequestOutput], kv_cache_dtype: str,
             reference_dtype: str = "auto", quantization: str = "none") -> KVCheckReport:
-    firsts, diffs = [], []
+    firsts, deltas = [], []
     for ref, out in zip(reference, candidate):
         common = next((i for i, (a, b) in enumerate(zip(ref.token_ids, out.token_ids)) if a != b),
                       None if len(ref.token_ids) == len(out.token_ids) else min(len(ref.token_ids),
@@ -43,11 +51,11 @@ def compare(reference: list[RequestOutput], candidate: list[RequestOutput], kv_c
         if common is not None:
             firsts.append(common)
         same = len(ref.token_ids) if common is None else common
-        diffs += [abs(a - b) for a, b in zip(ref.logprobs[:same], out.logprobs[:same])]
-    n = len(reference)
+        deltas += [b - a for a, b in zip(ref.logprobs[:same], out.logprobs[:same])]
+    n, count = len(reference), max(len(deltas), 1)
     return KVCheckReport(kv_cache_dtype, reference_dtype, n, (n - len(firsts)) / n if n else 1.0,
-                         sum(firsts) / len(firsts) if firsts else None, sum(diffs) / len(diffs) if diffs else 0.0,
-                         quantization, _mean_logprob(candidate), _mean_logprob(reference))
+                         sum(firsts) / len(firsts) if firsts else None, sum(map(abs, deltas)) / count,
+                         sum(deltas) / count, quantization, _mean_logprob(candidate), _mean_logprob(reference))
 
 
 def _mean_logprob(outputs: list[RequestOutput]) -> float | None:
@@ -57,7 +65,7 @@ def _mean_logprob(outputs: list[RequestOutput]) -> float | None:
 
 def run_kvcheck(make_llm, prompts: list, params: list[SamplingParams], kv_cache_dtype: str,
                 reference_dtype: str = "auto", quantization: str = "none") -> KVCheckReport:
-    """`make_llm(kv_cache_dtype, quantization)` builds an LLM; prompts run greedy with logprobs on the reference
+    """`make_llm(kv_cache_dtype, quantization)` builds an LLM (in deterministic mode, see the module's doc); prompts run greedy with logprobs on the reference
     (reference_dtype KV, float weights) and the candidate, one engine at a time (so both need not fit in memory
     together)."""
     greedy = [replace(p, temperature=0.0, logprobs=True) for p in params]

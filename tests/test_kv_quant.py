@@ -85,6 +85,8 @@ def test_compare_reports_first_difference_and_logprob_gap():
                      [out([1, 2, 9], [-1.5, -2.0, -0.1]), out([4, 5], [-0.5, -0.7])], "int8")
     assert report.identical_fraction == 0.5 and report.mean_first_diff == 2
     assert report.mean_abs_logprob_diff == pytest.approx((0.5 + 0 + 0 + 0.2) / 4)
+    assert report.mean_delta_loglik == pytest.approx((-0.5 + 0 + 0 - 0.2) / 4)   # the reference's tokens less likely
+    assert "d log-likelihood of the reference tokens -0.1750 per token" in report.summary()
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from batchrun.attention_metadata import AttentionMetadata
+from batchrun.engine import row_attention
 from batchrun.engine.kv_cache import LayerCache
 from batchrun.kernels import cpu_attention, reference
 
@@ -15,11 +16,12 @@ class TorchAttentionBackend:
 
     name = "torch"
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, deterministic: bool = False):
         self.workspace = reference.Workspace()   # shared by all layers: one backend object per model
         self.kernel = cpu_attention.load() if device.type == "cpu" else None
         # The kernel walks each request's own length: one decode group, no padding to split on.
         self.pads_decodes = self.kernel is None
+        self.deterministic = deterministic   # every row as a decode of its own (engine/row_attention.py)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: LayerCache,
                 meta: AttentionMetadata, scale: float, window: int | None = None,
@@ -28,6 +30,8 @@ class TorchAttentionBackend:
         last W positions; `softcap` c: scores become c * tanh(scores / c)."""
         k, v, k_scale, v_scale = cache
         reference.write_kv_cache(key, value, k, v, meta.slot_mapping, k_scale, v_scale)
+        if self.deterministic:
+            return self._row_wise(query, cache, meta, scale, window, softcap)
         out = torch.empty_like(query)
         for group in meta.decode_groups:
             if self.kernel is not None:
@@ -48,4 +52,19 @@ class TorchAttentionBackend:
                 continue
             out[rows] = reference.paged_prefill_attention(query[rows], k, v, chunk.block_table, chunk.context_len,
                                                           scale, k_scale, v_scale, window, softcap)
+        return out
+
+    def _row_wise(self, query: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, scale: float,
+                  window: int | None, softcap: float | None) -> torch.Tensor:
+        """Deterministic mode: each row a decode of its own, reading the cache the step has just written."""
+        k, v, k_scale, v_scale = cache
+        rows = row_attention.row_tables(meta, query.shape[0], query.device)
+        if self.kernel is not None:   # one task per (row, KV head), each over its own keys in order
+            return cpu_attention.paged_decode_attention(query, k, v, rows.block_tables, rows.context_lens, scale,
+                                                        k_scale, v_scale, window, softcap)
+        out = torch.empty_like(query)
+        for i, length in enumerate(rows.context_lens.tolist()):   # one row a call: no padding to a longer row
+            out[i:i + 1] = reference.paged_decode_attention(
+                query[i:i + 1], k, v, rows.block_tables[i:i + 1], rows.context_lens[i:i + 1], scale, k_scale,
+                v_scale, length, None, window, softcap)
         return out

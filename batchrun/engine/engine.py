@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from batchrun.config import EngineConfig
-from batchrun.engine import cpu_dtype, kv_cache, kv_sizing, loader
+from batchrun.engine import cpu_dtype, deterministic, kv_cache, kv_sizing, loader
 from batchrun.engine.backends import get_backend
 from batchrun.engine.block_manager import BlockManager
 from batchrun.engine.model_runner import ModelRunner
@@ -20,7 +20,7 @@ from batchrun.engine.sampler import Sampler
 from batchrun.engine.scheduler import Lane, Scheduler, WaitingQueue, default_admission_key
 from batchrun.engine.step_stats import StepShape, StepStats
 from batchrun.engine.stop import StopRule
-from batchrun.models import cpu_gemm, graph
+from batchrun.models import cpu_gemm, graph, row_tiles
 from batchrun.models.registry import model_class
 from batchrun.quant import formats as quant_formats, load as quant_load
 from batchrun.sampling_params import SamplingParams, sample_seed
@@ -58,7 +58,8 @@ class Engine:
 
         with torch.device("meta"):
             model_cls = model_class(self.hf_config.model_type)
-            self.model = model_cls(self.hf_config, get_backend(config.attention_backend, self.device))
+            self.model = model_cls(self.hf_config, get_backend(config.attention_backend, self.device,
+                                                               config.deterministic))
         plan, build = quant_load.plan_and_build(self.model, self.quant_scheme, self.device, self.dtype)
         self.model.load_state_dict(loader.load_weights(self.model_path, self.device, self.dtype, plan, build),
                                    assign=True)
@@ -66,13 +67,20 @@ class Engine:
             log.info("weights: %s", self.quant_scheme.description)
         self.model.init_rope(self.max_model_len, self.device, self.dtype)
         self.model.eval()
-        if self.device.type == "cpu" and self.model.pack_for_cpu():
+        packed = self.device.type == "cpu" and self.model.pack_for_cpu()
+        if packed:
             log.info("linear layers: oneDNN with pre-packed weights (%s)", str(self.dtype).removeprefix("torch."))
+        if config.deterministic:
+            deterministic.tile_products(self.model, row_tiles.DEFAULT_TILE)
+            log.info("deterministic mode: products on tiles of %d rows, every attention row a decode of its own",
+                     row_tiles.DEFAULT_TILE)
         if self.device.type == "cpu":
             # The loader's read buffers (float32 checkpoint rows converted to the compute dtype) and the dense
             # weights packing replaced are free but stay resident in glibc's heap until trimmed: 0.4-0.7x the weights.
             cpu_gemm.return_freed_memory(now=True)
-        if self.device.type == "cpu" and graph.enabled() and self.model.whole_graph:
+        # Unpacked weights tile in Python over a step-dependent row count, which the whole-model graph cannot trace.
+        if self.device.type == "cpu" and graph.enabled() and self.model.whole_graph and (packed or
+                                                                                         not config.deterministic):
             self.model.compile_graph()
             log.info("forward: one torch.compile graph (compiled at the first steps; BATCHRUN_COMPILE=ops: per op)")
 

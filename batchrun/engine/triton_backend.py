@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from batchrun.attention_metadata import AttentionMetadata
+from batchrun.engine import row_attention
 from batchrun.engine.kv_cache import LayerCache
 
 
@@ -60,7 +61,8 @@ class TritonAttentionBackend:
     name = "triton"
     pads_decodes = False   # takes every decode request in one padded table
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, deterministic: bool = False):
+        self.deterministic = deterministic   # every row a decode of its own, fixed KV splits (row_attention.py)
         try:
             import triton
             from batchrun.kernels import cache_write, paged_attention
@@ -85,6 +87,11 @@ class TritonAttentionBackend:
         last W positions; `softcap` c: scores become c * tanh(scores / c)."""
         k, v, k_scale, v_scale = cache
         self._cache_write.write_kv_cache(key, value, k, v, meta.slot_mapping, k_scale, v_scale)
+        if self.deterministic:
+            rows = row_attention.row_tables(meta, query.shape[0], query.device)
+            return self._attention.paged_decode_attention(
+                query, k, v, rows.block_tables, rows.context_lens, scale, k_scale, v_scale, max_len=rows.max_len,
+                split_len=self._attention.DETERMINISTIC_SPLIT_LEN, window=window, softcap=softcap)
         step = self._step_tensors(meta, query.device)
         out = torch.empty_like(query)
         if step.decode_tables is not None:

@@ -47,8 +47,9 @@ def kvcheck(spec: JobSpec, n: int, kv_cache_dtype: str | None = None, quantizati
                        f"({', '.join(QUANTIZED)}) or quantized weights (engine.quantization) against unquantized "
                        f"KV and weights, got KV {dtype!r} and weights 'none'")
 
-    def make_llm(kv_dtype: str, weights: str):
-        return LLM(model=spec.model, **{**options, "kv_cache_dtype": kv_dtype, "quantization": weights})
+    def make_llm(kv_dtype: str, weights: str):   # both sides deterministic: the gate sees the quantization alone
+        return LLM(model=spec.model, **{**options, "kv_cache_dtype": kv_dtype, "quantization": weights,
+                                        "deterministic": True})
 
     first = make_llm("auto", "none")   # also gives the tokenizer and context length for encoding the sample
     prompts, params = sample(spec, first.tokenizer, first.engine.max_model_len, n)

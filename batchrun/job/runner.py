@@ -96,6 +96,10 @@ class JobRunner:
             raise spec.fail(("model",) if field == "model" else ("engine", field), message) from exc
         engine, batching = llm.engine, spec.batching
         config = engine.config
+        if done and engine.dtype.itemsize == 2 and not config.deterministic:
+            log.warning("resuming at %s without engine.deterministic: the rows generated now may differ in the last "
+                        "digits (and greedy text after them) from what an uninterrupted run would have given",
+                        str(engine.dtype).removeprefix("torch."))
         encoder = PromptEncoder(spec.input, llm.tokenizer, engine.max_model_len)
         eta = EtaEstimator.from_engine(engine, total - len(done), batching, report.read_json(out_dir, report.ETA_STATE))
         feed = RowFeed(source.batches(min(1024, batching.window)), encoder.prepare, batching.window,
@@ -156,6 +160,8 @@ class JobRunner:
                               "kv_blocks_total": engine.num_blocks, "kv_block_size": engine.config.block_size,
                               "kv_bytes_per_token": engine.kv_bytes_per_token, "bucketing": batching.bucketing,
                               "kv_cache_dtype": engine.config.kv_cache_dtype,
+                              "compute_dtype": str(engine.dtype).removeprefix("torch."),
+                              "deterministic": engine.config.deterministic,
                               "quantization": engine.config.quantization,
                               "kv_quality_gate": kv_gate.saved_decision(out_dir),
                               "longest_first": batching.longest_first})

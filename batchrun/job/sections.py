@@ -110,7 +110,9 @@ class StorageSection(Section):
 
 class KVQualityGateSection(Section):
     sample: int = Field(0, ge=0, description="prompts compared before the run (0: no gate)")
-    min_identical: float = Field(0.9, ge=0, le=1)
+    # SmolLM2, 16 demo prompts x 64 tokens, both sides deterministic: int8 68.8 % / fp8 25.0 % identical at float32,
+    # 37.5 % / 31.2 % at bfloat16 (README): 0.2 passes both at both dtypes and stops a broken quantization.
+    min_identical: float = Field(0.2, ge=0, le=1)
     on_fail: Literal["stop", "fallback"] = "stop"
     fallback_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
 

@@ -24,8 +24,9 @@ from batchrun.job.sections import (BatchingSection, EngineSection, ExecutorSecti
 from batchrun.job.storage import Storage, StorageError, check_options, check_uri, is_uri, read_bytes
 from batchrun.sampling_params import SamplingParams
 
-# sections that change what rows contain (the job's identity); engine, batching and logging only change speed
-IDENTITY = ("model", "input", "sampling")
+# what changes the rows' contents (the job's identity): these sections and engine.deterministic; the other engine,
+# batching and logging settings only change speed
+IDENTITY = ("model", "input", "sampling", "deterministic")
 
 
 class JobSpec:
@@ -232,9 +233,12 @@ class JobSpec:
         return self.engine.model_dump(exclude_unset=True, exclude={"lane"})
 
     def identity_fields(self) -> dict:
-        """What decides the rows' contents: model, input (its path made absolute) and sampling."""
+        """What decides the rows' contents: model, input (its path made absolute), sampling, and deterministic
+        mode where it is on (absent when off, so jobs written before the mode existed keep their identity)."""
         fields = {"model": self.model, "input": self.input.model_dump(), "sampling": self.sampling.model_dump()}
         fields["input"]["path"] = self.resolve(self.input.path)
+        if self.engine.deterministic:   # a resumed job must not mix rows of both modes
+            fields["deterministic"] = True
         return fields
 
     def identity(self) -> str:

@@ -17,6 +17,9 @@ from batchrun.kernels.cache_write import NONE, quant_mode
 
 LOG2E = 1.4426950408889634
 SPLIT_MIN_TOKENS = 512      # a split-KV program gets at least this many tokens
+# Deterministic mode: every decode splits its KV at multiples of this many tokens whatever the batch and the longest
+# context, and is always reduced by the split kernel, so a row's summation order depends only on its own length.
+DETERMINISTIC_SPLIT_LEN = 512
 NO_WINDOW = 2**30           # the window argument of full attention (a run-time value: no recompile per window)
 
 
@@ -237,20 +240,28 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                            max_len: int | None = None, num_splits: int | None = None, out: torch.Tensor | None = None,
                            block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
-                           window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                           window: int | None = None, softcap: float | None = None,
+                           split_len: int | None = None) -> torch.Tensor:
     """query [B, heads, d]; block_tables [B, max_blocks]; context_lens [B], the query token included -> [B, heads, d].
     num_splits None: chosen from the batch and max_len (max_len None reads context_lens, a device sync).
-    window W: only the last W positions are attended to; softcap c: scores become c * tanh(scores / c)."""
+    window W: only the last W positions are attended to; softcap c: scores become c * tanh(scores / c).
+    split_len (a multiple of block_n): the KV splits at fixed multiples of it, always reduced by the split kernel
+    (deterministic mode: a row's result does not depend on the batch or its longest context)."""
     mode = _check_cache(query, k_cache, v_cache, k_scale, v_scale)
     batch, heads, head_dim = query.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     out = torch.empty_like(query) if out is None else out
     if batch == 0:
         return out
-    if num_splits is None:
+    block_n = block_n or (max(64, block_size) if query.is_cuda else max(16, block_size))
+    if split_len is not None:
+        if split_len % block_n:
+            raise ValueError(f"paged attention: split_len {split_len} is not a multiple of block_n {block_n}")
+        max_len = max_len if max_len is not None else int(context_lens.max())
+        num_splits = -(-max_len // split_len)
+    elif num_splits is None:
         max_len = max_len if max_len is not None else int(context_lens.max())
         num_splits = choose_num_splits(batch, kv_heads, max_len, _num_sms(query.device))
-    block_n = block_n or (max(64, block_size) if query.is_cuda else max(16, block_size))
     group = heads // kv_heads
     cache_strides, precision, qk_scale = _common(query, k_cache, k_scale, scale)
     scales = (k_scale, v_scale) if k_scale is not None else (k_cache, v_cache)   # dummies, never read
@@ -259,7 +270,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                 QUANT=mode, DOT_PRECISION=precision, SOFTCAP=softcap is not None, num_warps=num_warps,
                 num_stages=num_stages)
     grid = (batch, kv_heads, num_splits)
-    if num_splits == 1:
+    if num_splits == 1 and split_len is None:
         _decode_kernel[grid](out, out, out, query, k_cache, v_cache, *scales, block_tables, context_lens, qk_scale,
                              2**30, window or NO_WINDOW, softcap or 0.0, query.stride(0), query.stride(1), out.stride(0),
                              out.stride(1), 0,
@@ -267,7 +278,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         return out
     if max_len is None:
         max_len = int(context_lens.max())
-    split_len = -(-max_len // (num_splits * block_n)) * block_n
+    split_len = split_len or -(-max_len // (num_splits * block_n)) * block_n
     partial = torch.empty(batch, heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
     m = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=query.device)
     l = torch.empty_like(m)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from batchrun.attention_metadata import Segment
-from batchrun.models import fused, graph
+from batchrun.models import fused, graph, row_tiles
 from batchrun.models.layers import Linear, RMSNorm, head_dim_of
 
 
@@ -43,6 +43,7 @@ class Attention(nn.Module):
         self.backend = backend
         self.kv_caches = []       # one LayerCache per KV pool (lane), set by the model runner
         self.kv_rotations = []    # per pool: [d, d] orthogonal matrix for int8 storage (kernels.quant.rotation)
+        self.row_tile = 0         # > 0: deterministic mode, the rotations' products on tiles of this many rows
         self.handle = graph.register(self, weakref.ref(self))   # how the whole-model graph's attention op finds it
 
     def forward(self, x, cos, sin, segments: list[Segment]):
@@ -73,7 +74,13 @@ class Attention(nn.Module):
     def _attend(self, q, k, v, seg: Segment):
         rotation = self.kv_rotations[seg.pool]
         if rotation is not None:   # attention is unchanged by the rotation; int8 storage error shrinks
-            q, k, v = q @ rotation, k @ rotation, v @ rotation
+            q, k, v = self._rotate(q, rotation), self._rotate(k, rotation), self._rotate(v, rotation)
         out = self.backend.forward(q, k, v, self.kv_caches[seg.pool], seg.meta, self.scale,
                                    window=self.options.window, softcap=self.options.softcap)
-        return out if rotation is None else out @ rotation.T
+        return out if rotation is None else self._rotate(out, rotation.T)
+
+    def _rotate(self, x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+        if not self.row_tile:
+            return x @ rotation
+        rows = x.reshape(-1, x.shape[-1])
+        return row_tiles.tiled(lambda part: part @ rotation, rows, self.row_tile).view(x.shape)

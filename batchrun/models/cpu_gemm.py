@@ -26,6 +26,8 @@ import time
 
 import torch
 
+from batchrun.models import row_tiles
+
 log = logging.getLogger("batchrun")
 CACHE_ENTRIES = 128
 for _knob in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):   # oneDNN's, ideep's
@@ -61,6 +63,8 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [rows, in] @ packed^T (+ bias) -> [rows, out]."""
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, row_tile: int = 0) -> torch.Tensor:
+    """x [rows, in] @ packed^T (+ bias) -> [rows, out]; row_tile > 0: on tiles of that many rows (row_tiles.py)."""
+    if row_tile:
+        return row_tiles.tiled(lambda rows: linear(rows, packed, bias), x, row_tile)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

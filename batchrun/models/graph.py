@@ -57,13 +57,14 @@ def step(segments):
 
 
 @torch.library.custom_op("batchrun::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, handle: int, out_features: int, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def packed_linear(x: torch.Tensor, handle: int, out_features: int, bias: Optional[torch.Tensor],
+                  row_tile: int = 0) -> torch.Tensor:
     from batchrun.models import cpu_gemm
-    return cpu_gemm.linear(x, _objects[handle], bias)
+    return cpu_gemm.linear(x, _objects[handle], bias, row_tile)
 
 
 @packed_linear.register_fake
-def _(x, handle, out_features, bias):
+def _(x, handle, out_features, bias, row_tile=0):
     return x.new_empty(x.shape[0], out_features)
 
 

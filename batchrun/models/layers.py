@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchrun.models import cpu_gemm, fused, graph
+from batchrun.models import cpu_gemm, fused, graph, row_tiles
 
 
 class Linear(nn.Linear):
@@ -14,6 +14,7 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
     handle: int | None = None
+    row_tile: int = 0   # > 0: deterministic mode, every product on tiles of this many rows (row_tiles.py)
     quantized = None   # a batchrun.quant.linear.QuantizedLinear where the loader quantized this layer
 
     def pack_for_cpu(self, keep_dense: bool = False) -> bool:
@@ -33,13 +34,15 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
             return self.quantized(x, self.bias)
-        if self.packed is None:
+        if self.packed is None and not self.row_tile:
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, self.in_features)
-        if torch.compiler.is_compiling():
-            out = torch.ops.batchrun.packed_linear(rows, self.handle, self.out_features, self.bias)
+        if self.packed is None:
+            out = row_tiles.tiled(lambda tile: F.linear(tile, self.weight, self.bias), rows, self.row_tile)
+        elif torch.compiler.is_compiling():
+            out = torch.ops.batchrun.packed_linear(rows, self.handle, self.out_features, self.bias, self.row_tile)
         else:
-            out = cpu_gemm.linear(rows, self.packed, self.bias)
+            out = cpu_gemm.linear(rows, self.packed, self.bias, self.row_tile)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchrun.models import cpu_gemm
+from batchrun.models import cpu_gemm, row_tiles
 from batchrun.models.attention import AttentionOptions
 from batchrun.models.base import CausalLM, checkpoint_plan
 from batchrun.models.layers import ACTIVATIONS, GatedMLP, Linear, activation
@@ -29,6 +29,7 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts * hidden_size, intermediate_size))
         self.act_and_mul = act_and_mul
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.row_tile = 0   # > 0: deterministic mode, every product on tiles of this many rows (row_tiles.py)
 
     def weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [2I, H], down [H, I]) of one expert: views into the stacks."""
@@ -43,10 +44,14 @@ class Experts(nn.Module):
         return self.packed is not None
 
     def project(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        tile = self.row_tile
         if self.packed is not None:
             gate_up, down = self.packed[expert]
-            return cpu_gemm.linear(self.act_and_mul(cpu_gemm.linear(rows, gate_up, None)), down, None)
+            return cpu_gemm.linear(self.act_and_mul(cpu_gemm.linear(rows, gate_up, None, tile)), down, None, tile)
         gate_up, down = self.weights(expert)
+        if tile:
+            hidden = row_tiles.tiled(lambda part: F.linear(part, gate_up), rows, tile)
+            return row_tiles.tiled(lambda part: F.linear(part, down), self.act_and_mul(hidden), tile)
         return F.linear(self.act_and_mul(F.linear(rows, gate_up)), down)
 
 
