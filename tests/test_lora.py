@@ -166,3 +166,27 @@ def test_whole_model_graph(llama, monkeypatch):
     monkeypatch.setenv("BATCHRUN_COMPILE", "1")
     llm = check_mixed(*llama, seed=8, block_size=4, max_num_batched_tokens=16)
     assert llm.engine.model._graph is not None
+
+
+def test_server_model_field_selects_the_adapter(llama):
+    openai = pytest.importorskip("openai")
+    from batchrun.server import ServerThread, create_app
+    path, base, paths, peft_models = llama
+    llm = LLM(model=path, adapters=paths, kv_cache_memory="4MiB")
+    llm.start_background()
+    server = ServerThread(create_app(llm, model_name="tiny")).start()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=30)
+        assert [m.id for m in client.models.list().data] == ["tiny", *paths]
+        prompt = random_prompts([9], seed=9)[0]
+        for model, want in (("tiny", reference_greedy(base, prompt, 5)),
+                            ("support", peft_greedy(peft_models["support"], prompt, 5))):
+            r = client.completions.create(model=model, prompt=prompt, max_tokens=5, temperature=0,
+                                          extra_body={"ignore_eos": True})
+            assert r.model == model and r.choices[0].text == llm.tokenizer.decode(want, skip_special_tokens=True)
+        with pytest.raises(openai.NotFoundError, match="'nope' is not served here; this server serves 'tiny', "
+                                                       "'support'"):
+            client.completions.create(model="nope", prompt=prompt, max_tokens=2)
+    finally:
+        server.stop()
+        llm.stop_background()
