@@ -20,7 +20,7 @@ from batchrun.engine.sampler import Sampler
 from batchrun.engine.scheduler import Lane, Scheduler, WaitingQueue, default_admission_key
 from batchrun.engine.step_stats import StepShape, StepStats
 from batchrun.engine.stop import StopRule
-from batchrun.lora import AdapterSet
+from batchrun.engine.lora import AdapterSet
 from batchrun.models import cpu_gemm, graph
 from batchrun.models.registry import model_class
 from batchrun.sampling_params import SamplingParams, sample_seed

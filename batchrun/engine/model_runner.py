@@ -10,7 +10,7 @@ from batchrun.engine.kv_cache import KVPool
 from batchrun.engine.request import Request
 from batchrun.engine.scheduler import StepPlan
 from batchrun.kernels import quant
-from batchrun.lora import projection as lora
+from batchrun.engine.lora import projection as lora
 from batchrun.sampling_params import SamplingParams
 
 # A decode group is split when padding it to its longest context would add more than this fraction of its

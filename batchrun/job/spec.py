@@ -169,7 +169,7 @@ class JobSpec:
 
     def _fingerprint_adapters(self) -> dict[str, str]:
         """engine.adapters' files, each checked as a PEFT LoRA adapter: name -> content hash."""
-        from batchrun.lora.adapter_file import AdapterFile
+        from batchrun.engine.lora.adapter_file import AdapterFile
         try:
             return {name: AdapterFile(name, path).fingerprint
                     for name, path in (self.engine_options.get("adapters") or {}).items()}

@@ -7,8 +7,8 @@ from collections import OrderedDict
 
 import torch
 
-from batchrun.lora import projection, targets
-from batchrun.lora.adapter_file import AdapterFile
+from batchrun.engine.lora import projection, targets
+from batchrun.engine.lora.adapter_file import AdapterFile
 
 log = logging.getLogger("batchrun")
 

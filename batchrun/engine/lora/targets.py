@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchrun.lora.adapter_file import AdapterFile
+from batchrun.engine.lora.adapter_file import AdapterFile
 from batchrun.models.base import FUSED
 
 
