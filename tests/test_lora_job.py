@@ -91,3 +91,18 @@ def test_bad_adapter_fails_before_any_work(tmp_path, tiny_model):
     assert "engine.adapters" in result.stderr and "adapter 'qv'" in result.stderr
     assert str(tmp_path / "adapters" / "qv" / "adapter_model.safetensors") in result.stderr
     assert not os.path.exists(tmp_path / "out" / "job" / "data")
+
+
+def test_planner_counts_adapter_memory(tmp_path, tiny_model):
+    from safetensors.torch import load_file
+
+    from batchrun.job.spec import JobSpec
+    from batchrun.planner.api import adapter_bytes
+    path, base = tiny_model
+    write_prompts(tmp_path / "in.parquet", 4)
+    adapters = adapters_beside(tmp_path, base)
+    largest = 2 * sum(t.numel() for t in load_file(tmp_path / "adapters" / "invoices" /
+                                                   "adapter_model.safetensors").values())
+    for limit, held in ((None, 3), (1, 1)):
+        engine = {"adapters": adapters, **({"max_adapters": limit} if limit else {})}
+        assert adapter_bytes(JobSpec.from_yaml(write_job(tmp_path, path, engine=engine))) == held * largest

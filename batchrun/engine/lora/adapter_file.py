@@ -51,6 +51,10 @@ class AdapterFile:
         self.modules = self._module_shapes(entries)
         self.fingerprint = _sha256(self.config_file, self.weights_file)
 
+    def nbytes(self, element_size: int) -> int:
+        """The adapter's A and B matrices at `element_size` bytes per value."""
+        return element_size * sum(m.rank * (m.in_features + m.out_features) for m in self.modules.values())
+
     def error(self, message: str, file: str | None = None) -> ValueError:
         return ValueError(f"adapter {self.name!r}: {file or self.weights_file}: {message}")
 
