@@ -1,14 +1,16 @@
 """LoRA adapters per row vs the base model alone, on SmolLM2: output tokens per second on the same prompts.
 
-    python bench/lora.py [--prompts 64] [--max-tokens 64] [--adapters 4] [--rank 16] [--repeats 2]
+    python bench/lora.py [--prompts 64] [--prompt-tokens 128] [--max-tokens 64] [--adapters 4] [--rank 16]
+                         [--repeats 2]
 
 Four rank-16 PEFT adapters on every projection (q/k/v/o, gate/up/down), made once with PEFT into
 BATCHRUN_CACHE/bench-adapters; the rows spread evenly over them (row i under adapter i mod 4). The base figure is an
 engine without adapters on the same prompts. Both engines are built and warmed up (the whole-model graph compiled)
 before timing; the runs alternate, base first, --repeats times, and the best of each is reported (the machine may be
-shared: the ratio within one run is the figure).
+shared: the ratio within one run is the figure). Prompts are the sample prompts' first --prompt-tokens tokens.
 """
 import argparse
+import dataclasses
 import os
 import subprocess
 import time
@@ -55,6 +57,7 @@ def timed(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> t
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--adapters", type=int, default=4)
     ap.add_argument("--rank", type=int, default=16)
@@ -68,13 +71,14 @@ def main():
     options = dict(kv_cache_memory="1GiB", max_num_seqs=64, max_num_batched_tokens=1024)
     base = LLM(model="smollm2-135m", **options)
     lora = LLM(model="smollm2-135m", adapters=adapters, max_adapters=args.adapters, **options)
-    prompts = [base.encode(p) for p in pq.read_table(PROMPTS).column("prompt").to_pylist()][:args.prompts]
+    prompts = [base.encode(p)[:args.prompt_tokens]
+               for p in pq.read_table(PROMPTS).column("prompt").to_pylist()[:args.prompts]]
     names = list(adapters)
     plain = [SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)] * len(prompts)
     spread = [SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True, adapter=names[i % len(names)])
               for i in range(len(prompts))]
     for llm, params in ((base, plain), (lora, spread)):   # compile the graphs and load the adapters
-        llm.generate(prompts[:8], params[:8], use_tqdm=False)
+        llm.generate(prompts[:4], [dataclasses.replace(p, max_tokens=4) for p in params[:4]], use_tqdm=False)
     print(f"{len(prompts)} prompts ({sum(map(len, prompts))} tokens), {args.max_tokens} output tokens each, "
           f"{args.adapters} adapters of rank {args.rank} on {', '.join(TARGETS)}, dtype {lora.engine.dtype}")
     best = {"base": 0.0, "lora": 0.0}

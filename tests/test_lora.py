@@ -9,7 +9,7 @@ import torch
 
 from batchrun import LLM, SamplingParams
 from conftest import random_prompts, reference_greedy
-from lora_kit import ADAPTERS, build, make_adapter, peft_greedy
+from lora_kit import ADAPTERS, build, peft_greedy
 
 MAX_TOKENS = 8
 
@@ -154,8 +154,7 @@ def test_missing_adapter_directory(tmp_path, llama):
 
 
 def test_adapter_for_another_model(tmp_path, llama):
-    """An adapter made for a wider model: the shapes name the module and the expected sizes."""
-    _, _, _, _ = llama
+    """An adapter made for a narrower model: the error names the module and the shapes the base needs."""
     other = build(tmp_path, hidden_size=32, adapters={"wide": ADAPTERS["qv"]})
     with pytest.raises(ValueError, match=r"adapter 'wide'.*the base model needs \[r, 64\]"):
         LLM(model=llama[0], adapters=other[2], kv_cache_memory="4MiB")

@@ -20,7 +20,7 @@ NAMES = [None, "support", "invoices", "qv"]
 def adapters_beside(tmp_path, base) -> dict[str, str]:
     """The test adapters saved under tmp_path/adapters; their paths relative to the job file."""
     for i, (name, spec) in enumerate(ADAPTERS.items()):
-        make_adapter(base, tmp_path / "adapters" / name, 10 + i, *spec)
+        make_adapter(base, tmp_path / "adapters" / name, 10 + i, **spec)
     return {name: f"adapters/{name}" for name in ADAPTERS}
 
 
@@ -58,7 +58,7 @@ def test_adapter_column_killed_and_resumed(tmp_path, tiny_model):
                for k, i in enumerate(ids) if column[k] != "nope")
 
     # a changed adapter file is a different job: resume refuses, naming the adapter
-    make_adapter(base, tmp_path / "adapters" / "qv", 99, *ADAPTERS["qv"])
+    make_adapter(base, tmp_path / "adapters" / "qv", 99, **ADAPTERS["qv"])
     with pytest.raises(JobError, match=r"holds results of a different job \(adapters.qv: "):
         Job.from_yaml(job).run(progress="log")
 
