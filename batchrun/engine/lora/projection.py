@@ -32,12 +32,12 @@ def step(runs: list[Run]):
 
 
 def add_updates(y: torch.Tensor, x: torch.Tensor, projection: str) -> None:
-    """y [T, out] += each run's low-rank update of x [T, in], in place."""
+    """y [T, out] += each run's low-rank update of x [T, in], in place (computed in the adapter's dtype)."""
     for weights, start, end in getattr(_current, "runs", ()):
         pair = weights.get(projection)
         if pair is not None:
             a, b = pair
-            y[start:end].addmm_(x[start:end] @ a, b)
+            y[start:end] += ((x[start:end].to(a.dtype) @ a) @ b).to(y.dtype)
 
 
 @torch.library.custom_op("batchrun::lora_add_", mutates_args=("y",))
