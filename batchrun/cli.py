@@ -235,6 +235,9 @@ def kvcheck(job, overrides, sample, kv_dtype) -> None:
 @click.option("--gpu", "gpus", multiple=True, help="GPU type from the catalog (repeatable; default: all), e.g. H100.")
 @click.option("--kv-dtype", "kv_dtypes", multiple=True, help="KV dtype to compare (repeatable; default: float16, "
               "int8, fp8).")
+@click.option("--weights", "weight_formats", multiple=True, type=click.Choice(["fp16", "int8", "fp8", "int4"]),
+              help="Weight format to compare (repeatable; default: the checkpoint's own). int8/fp8 from a 16-bit "
+              "checkpoint are quantized at load; int4 needs an AWQ or GPTQ checkpoint.")
 @click.option("--deadline", help="Finish within this time: 6h, 90m, 1h30m, 2d, a clock time 07:00 or a date-time "
               "2030-01-31T06:00 (default: the job file's deadline:).")
 @click.option("--price", "prices", multiple=True, metavar="GPU=USD", help="$/GPU-hour override (repeatable).")
@@ -259,9 +262,9 @@ def kvcheck(job, overrides, sample, kv_dtype) -> None:
               "dtype (memory limits marked) and the job's predicted progress to this PNG (needs matplotlib: "
               "pip install 'batchrun[plot]').")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
-def plan(job, overrides, gpus, kv_dtypes, deadline, prices, catalog, model_config, utilization, max_num_seqs,
-         calibrate, pilot_fraction, interactive_rate, interactive_prompt_tokens, interactive_output_tokens, ttft_p95,
-         tpot_p95, headroom, plot_path, as_json) -> None:
+def plan(job, overrides, gpus, kv_dtypes, weight_formats, deadline, prices, catalog, model_config, utilization,
+         max_num_seqs, calibrate, pilot_fraction, interactive_rate, interactive_prompt_tokens,
+         interactive_output_tokens, ttft_p95, tpot_p95, headroom, plot_path, as_json) -> None:
     from batchrun.job import JobError
     from batchrun.job.spec import JobSpec
     from batchrun.planner import api as planner_api, mixed
@@ -287,7 +290,7 @@ def plan(job, overrides, gpus, kv_dtypes, deadline, prices, catalog, model_confi
             from batchrun.planner.calibrate import calibrate as run_calibration
             report = run_calibration(spec, the_planner.work, pilot_fraction)
         else:
-            report = planner_api.run_plan(the_planner, chosen, kv_dtypes, traffic)
+            report = planner_api.run_plan(the_planner, chosen, kv_dtypes, traffic, weight_formats)
             if plot_path:
                 from batchrun.planner.plot import draw
                 draw(the_planner, report, chosen, plot_path)

@@ -1,7 +1,7 @@
 """How good is a running job's time left? The sample job run whole, its ETA recorded every --every seconds.
 
     python bench/eta_accuracy.py [--job jobs/demo.yaml] [--every 10] [--json out.json] [--set batching.pilot=0.2]
-                                 [--dtypes float32,bfloat16] [--rows 1000]
+                                 [--dtypes float32,bfloat16] [--orders longest_first] [--rows 1000]
 
 Runs the job into fresh temporary output directories, per compute dtype (--dtypes, engine.dtype) in both orders:
 bucketing with shortest prompts first (the default), then longest first. --rows N runs N rows cycled from the
@@ -50,7 +50,8 @@ def run_recorded(job: str, order: dict, every: float, overrides: list[str]) -> d
             rate = rows / max(now - self.start, 1e-9)
             records.append((now - start, self.eta.seconds_left if self.eta else None,
                             (self.total - self.done) / rate if rows else None, self.done,
-                            self.eta.low if self.eta else None, self.eta.high if self.eta else None))
+                            self.eta.low if self.eta else None, self.eta.high if self.eta else None,
+                            engine.stats.output_tokens, self.eta.output_tokens_left if self.eta else None))
         return due
 
     progress_module.Progress.tick = tick
@@ -63,8 +64,9 @@ def run_recorded(job: str, order: dict, every: float, overrides: list[str]) -> d
     finally:
         progress_module.Progress.tick = real_tick
     wall = time.monotonic() - start
+    tokens = result.summary["output_tokens_this_run"]
     return {"wall_s": round(wall, 1), "rows": result.summary["rows_this_run"], "records": records,
-            "first_estimate": first and first_estimate(*first, wall), "errors": errors_at(records, wall)}
+            "first_estimate": first and first_estimate(*first, wall), "errors": errors_at(records, wall, tokens)}
 
 
 def first_estimate(at: float, eta: float, wall: float) -> dict:
@@ -73,16 +75,17 @@ def first_estimate(at: float, eta: float, wall: float) -> dict:
             "actual_left_s": round(wall - at, 1), "error_pct": round(100 * (eta - (wall - at)) / (wall - at), 1)}
 
 
-def errors_at(records: list, wall: float) -> dict:
+def errors_at(records: list, wall: float, tokens: int) -> dict:
     """% error of each estimate against the time really left, at each point of the wall time (the last record
-    at or before it)."""
+    at or before it); beside it, the error of the output tokens it expected to be left (of `tokens` in all), which
+    tells a wrong length forecast from a wrong price per step."""
     out = {}
     for point in POINTS:
         before = [r for r in records if r[0] <= point * wall]
         if not before:
             continue
-        t, job_eta, row_eta, done, low, high = before[-1]
-        left = wall - t
+        t, job_eta, row_eta, done, low, high, tokens_done, tokens_expected = before[-1]
+        left, tokens_left = wall - t, tokens - tokens_done
         out[f"{round(point * 100)}%"] = {
             "at_s": round(t, 1), "rows_done": done, "actual_left_s": round(left, 1),
             "job_eta_s": None if job_eta is None else round(job_eta, 1),
@@ -90,7 +93,9 @@ def errors_at(records: list, wall: float) -> dict:
             "row_eta_s": None if row_eta is None else round(row_eta, 1),
             "row_error_pct": None if row_eta is None else round(100 * (row_eta - left) / left, 1),
             "band_s": None if low is None else [round(low, 1), round(high, 1)],
-            "in_band": None if low is None else low <= left <= high}
+            "in_band": None if low is None else low <= left <= high, "tokens_left": tokens_left,
+            "tokens_error_pct": None if tokens_expected is None or not tokens_left
+            else round(100 * (tokens_expected - tokens_left) / tokens_left, 1)}
     return out
 
 
@@ -117,6 +122,7 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--dtypes", default="auto", help="engine.dtype values, comma-separated (auto: the job's)")
     parser.add_argument("--rows", type=int, help="run this many rows cycled from the job's input")
+    parser.add_argument("--orders", default="shortest_first,longest_first", help="bucketing orders to run")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a job-file override for every run, as `batchrun submit --set` takes")
     args = parser.parse_args()
@@ -128,8 +134,8 @@ def main() -> None:
         if args.rows:
             overrides.append(f"input.path={cycled_input(args.job, args.rows, scratch)}")
         for dtype in args.dtypes.split(","):
-            for order_name, order in (("shortest_first", {"bucketing": True, "longest_first": False}),
-                                      ("longest_first", {"bucketing": True, "longest_first": True})):
+            for order_name in args.orders.split(","):
+                order = {"bucketing": True, "longest_first": order_name == "longest_first"}
                 name = f"{dtype}/{order_name}"
                 extra = [] if dtype == "auto" else [f"engine.dtype={dtype}"]
                 run = run_recorded(args.job, order, args.every, overrides + extra)
@@ -149,11 +155,12 @@ def report(name: str, run: dict, cpu: str, flags: str) -> None:
           + (f"at {first['at_s']} s ({first['at_pct']} %): {first['eta_s']} s, error {first['error_pct']} %"
              if first else "never"))
     print(f"  {'point':>5} {'at s':>7} {'rows':>5} {'left s':>7} {'job ETA':>8} {'error':>7} {'p10-p90':>14} "
-          f"{'row ETA':>8} {'error':>7}")
+          f"{'row ETA':>8} {'error':>7} {'tok left':>8} {'error':>7}")
     for point, e in run["errors"].items():
         band = "-" if e["band_s"] is None else f"{e['band_s'][0]}-{e['band_s'][1]}" + ("" if e["in_band"] else "!")
         print(f"  {point:>5} {e['at_s']:>7} {e['rows_done']:>5} {e['actual_left_s']:>7} {e['job_eta_s']!s:>8} "
-              f"{e['job_error_pct']!s:>6}% {band:>14} {e['row_eta_s']!s:>8} {e['row_error_pct']!s:>6}%")
+              f"{e['job_error_pct']!s:>6}% {band:>14} {e['row_eta_s']!s:>8} {e['row_error_pct']!s:>6}% "
+              f"{e['tokens_left']:>8} {e['tokens_error_pct']!s:>6}%")
 
 
 if __name__ == "__main__":

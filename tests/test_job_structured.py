@@ -5,6 +5,7 @@ import os
 import signal
 
 import jsonschema
+import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
 from batchrun import Job
@@ -84,6 +85,10 @@ def test_n_samples_rows_and_resume_exactly_once(tmp_path, tiny_model):
     assert sum(len(t) > 1 for t in texts.values()) >= 12   # samples differ
     summary = json.load(open(os.path.join(out, "summary.json")))
     assert summary["rows_ok"] == 16 and summary["rows_remaining"] == 0
+    # a prompt counts once however many samples it has; every sample's output counts
+    first = table.filter(pc.equal(table.column("sample_index"), 0))
+    assert summary["prompt_tokens"] == pc.sum(first.column("prompt_tokens")).as_py()
+    assert summary["completion_tokens"] == 16 * 3 * 10
 
 
 def test_openai_batch_n_and_response_format(tmp_path, tiny_model):

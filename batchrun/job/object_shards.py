@@ -51,8 +51,9 @@ def shard_counts(table: pa.Table) -> tuple[int, int, int, int]:
     """Input rows, failed input rows, prompt and completion tokens of one shard (as report.counts counts them)."""
     rows = pc.count_distinct(table["row_index"]).as_py()
     failed = pc.count_distinct(table["row_index"].filter(pc.equal(table["status"], "error"))).as_py()
-    return (rows, failed, int(pc.sum(table["prompt_tokens"]).as_py() or 0),
-            int(pc.sum(table["completion_tokens"]).as_py() or 0))
+    # an input row's n samples share its prompt: count it once, as OpenAI's usage does
+    prompts = table.group_by("row_index").aggregate([("prompt_tokens", "max")]).column("prompt_tokens_max")
+    return (rows, failed, int(pc.sum(prompts).as_py() or 0), int(pc.sum(table["completion_tokens"]).as_py() or 0))
 
 
 class ObjectShardStore:

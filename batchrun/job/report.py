@@ -6,9 +6,9 @@ import json
 import logging
 import time
 
-import pyarrow.compute as pc
 from prometheus_client import CollectorRegistry, Gauge, generate_latest, write_to_textfile
 
+from batchrun.job.object_shards import shard_counts
 from batchrun.job.sink import ShardStore, shard_store
 from batchrun.job.storage import Storage, as_storage
 
@@ -35,15 +35,9 @@ def counts(out_dir: Storage | str) -> dict:
         c["rows_remaining"] = None if total is None else total - c["rows_done"]
         return c
     table = store.read(["status", "prompt_tokens", "completion_tokens", "row_index"])
-    if table is None:
-        c = {"rows_done": 0, "rows_ok": 0, "rows_failed": 0, "prompt_tokens": 0, "completion_tokens": 0}
-    else:
-        # input rows, not output rows: with n samples an input row has n output rows, failed if any is
-        done = pc.count_distinct(table["row_index"]).as_py()
-        failed = pc.count_distinct(table["row_index"].filter(pc.equal(table["status"], "error"))).as_py()
-        c = {"rows_done": done, "rows_ok": done - failed, "rows_failed": failed,
-             "prompt_tokens": int(pc.sum(table["prompt_tokens"]).as_py() or 0),
-             "completion_tokens": int(pc.sum(table["completion_tokens"]).as_py() or 0)}
+    rows, failed, prompt, completion = (0, 0, 0, 0) if table is None else shard_counts(table)
+    c = {"rows_done": rows, "rows_ok": rows - failed, "rows_failed": failed, "prompt_tokens": prompt,
+         "completion_tokens": completion}
     c["rows_total"] = total
     c["rows_remaining"] = None if total is None else total - c["rows_done"]
     return c

@@ -35,17 +35,21 @@ def deadline_seconds(spec: JobSpec, deadline: str | None) -> float | None:
 
 def plan(job: str | JobSpec, gpus=(), kv_dtypes=(), deadline: str | None = None, prices: dict | None = None,
          catalog: str | None = None, model_config: str | None = None, utilization: float = 0.9,
-         max_num_seqs: int | None = None, overrides=()) -> dict:
-    """Per GPU type x KV dtype: KV capacity, predicted makespan, GPUs to meet the deadline, GPU-hours and cost, and
-    a recommendation. job: a job file (or a JobSpec); gpus: catalog names (default all); kv_dtypes: default
-    float16, int8, fp8; deadline: '6h', '90m', '07:00' or a date-time (default: the job's own); prices: {gpu: USD per hour}. The report's "rows"
-    make a table: pandas.DataFrame(report["rows"])."""
+         max_num_seqs: int | None = None, overrides=(), weights=()) -> dict:
+    """Per GPU type x weight format x KV dtype: KV capacity, predicted makespan, GPUs to meet the deadline,
+    GPU-hours and cost, and a recommendation. job: a job file (or a JobSpec); gpus: catalog names (default all);
+    kv_dtypes: default float16, int8, fp8; weights: fp16, int8, fp8, int4 (default: the checkpoint's own);
+    deadline: '6h', '90m', '07:00' or a date-time (default: the job's own); prices: {gpu: USD per hour}. The
+    report's "rows" make a table: pandas.DataFrame(report["rows"])."""
     chosen = cat.select(cat.load_catalog(catalog), list(gpus), prices or {})
     spec = job if isinstance(job, JobSpec) else JobSpec.from_yaml(job, list(overrides))
-    return run_plan(make_planner(spec, deadline, model_config, utilization, max_num_seqs), chosen, kv_dtypes)
+    return run_plan(make_planner(spec, deadline, model_config, utilization, max_num_seqs), chosen, kv_dtypes,
+                    weights=weights)
 
 
-def run_plan(the_planner: planner.Planner, chosen: list[cat.GPU], kv_dtypes=(), traffic=None) -> dict:
+def run_plan(the_planner: planner.Planner, chosen: list[cat.GPU], kv_dtypes=(), traffic=None, weights=()) -> dict:
     for dtype in kv_dtypes:
         planner.kv_bytes_per_token(the_planner.model, dtype)   # an unknown dtype: a clear error first
-    return the_planner.plan(chosen, tuple(kv_dtypes) or planner.DEFAULT_KV_DTYPES, traffic)
+    for weight_format in weights:
+        the_planner.with_weights(weight_format)
+    return the_planner.plan(chosen, tuple(kv_dtypes) or planner.DEFAULT_KV_DTYPES, traffic, tuple(weights))

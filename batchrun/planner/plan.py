@@ -1,6 +1,7 @@
 """The plan: for each GPU type x KV dtype, KV capacity, predicted makespan (simulated), GPUs for the deadline, cost."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -9,7 +10,7 @@ from batchrun.engine import kv_cache
 from batchrun.planner.mixed import LATENCY_KV_DTYPE, MixedPlanner, Traffic, recommend_mixed
 from batchrun.planner.workload import Workload
 from batchrun.stepmodel.catalog import GPU
-from batchrun.stepmodel.costmodel import ModelSpec, RooflineModel
+from batchrun.stepmodel.costmodel import WEIGHT_FORMATS, ModelSpec, RooflineModel
 from batchrun.stepmodel.simulate import Trace, make_requests, simulate, timeline
 
 KV_DTYPES = ("float16", "bfloat16", "int8", "fp8")
@@ -58,21 +59,29 @@ class Planner:
     def activation_bytes(self) -> int:
         return self.model.activation_bytes(self.work.max_num_batched_tokens, self.work.max_num_seqs)
 
-    def kv_budget(self, gpu: GPU) -> int:
+    def with_weights(self, weights: str | None) -> ModelSpec:
+        """The model with its projections in this weight format (None: the checkpoint's own)."""
+        if weights is None or weights == self.model.weights:
+            return self.model
+        if weights not in WEIGHT_FORMATS:
+            raise ValueError(f"--weights: unknown value {weights!r}; allowed: {', '.join(WEIGHT_FORMATS)}")
+        return dataclasses.replace(self.model, weights=weights)
+
+    def kv_budget(self, gpu: GPU, weights: str | None = None) -> int:
         """Bytes left for KV on one GPU: its memory at the utilisation, less weights, activations and adapters."""
-        return (int(gpu.memory_bytes * self.util) - self.model.weight_bytes - self.activation_bytes()
+        return (int(gpu.memory_bytes * self.util) - self.with_weights(weights).weight_bytes - self.activation_bytes()
                 - self.adapter_bytes)
 
-    def cost_model(self, gpu: GPU, kv_bytes_per_token: int) -> RooflineModel:
-        return RooflineModel(self.model, gpu, kv_bytes_per_token, **self.cost_options)
+    def cost_model(self, gpu: GPU, kv_bytes_per_token: int, weights: str | None = None) -> RooflineModel:
+        return RooflineModel(self.with_weights(weights), gpu, kv_bytes_per_token, **self.cost_options)
 
-    def row(self, gpu: GPU, dtype: str) -> dict:
-        m, w = self.model, self.work
+    def row(self, gpu: GPU, dtype: str, weights: str | None = None) -> dict:
+        m, w = self.with_weights(weights), self.work
         bpt = self.kv_bytes_per_token(dtype)
-        act, budget = self.activation_bytes(), self.kv_budget(gpu)
-        row = {"gpu": gpu.name, "kv_dtype": dtype, "kv_bytes_per_token": bpt, "weights_gib": m.weight_bytes / 2**30,
-               "activations_gib": act / 2**30, "adapters_gib": self.adapter_bytes / 2**30,
-               "kv_budget_gib": max(budget, 0) / 2**30,
+        act, budget = self.activation_bytes(), self.kv_budget(gpu, m.weights)
+        row = {"gpu": gpu.name, "weights": m.weights, "kv_dtype": dtype, "kv_bytes_per_token": bpt,
+               "weights_gib": m.weight_bytes / 2**30, "activations_gib": act / 2**30,
+               "adapters_gib": self.adapter_bytes / 2**30, "kv_budget_gib": max(budget, 0) / 2**30,
                "price_per_hour": gpu.price_per_hour}
         if budget <= 0:
             adapters = f" + adapters {self.adapter_bytes / 2**30:.1f} GiB" if self.adapter_bytes else ""
@@ -86,7 +95,7 @@ class Planner:
         if blocks < need:
             return row | {"fits": False, "reason": f"the longest request ({self.longest} tokens) needs {need} "
                           f"blocks; the KV budget holds {blocks}"}
-        cost = self.cost_model(gpu, bpt)
+        cost = self.cost_model(gpu, bpt, m.weights)
         one = timeline(self.trace(blocks), cost.step_time)
         row |= {"fits": True, "decode_step_ms": cost.decode_step(min(w.max_num_seqs, row["max_concurrency_mix"]),
                                                                 int(self.mean_len)) * 1e3,
@@ -115,13 +124,16 @@ class Planner:
             t = timeline(self.trace(blocks, n), cost.step_time).makespan_s
         return n, t
 
-    def plan(self, gpus: list[GPU], kv_dtypes=DEFAULT_KV_DTYPES, traffic: Traffic | None = None) -> dict:
-        """Rows per GPU type x KV dtype and a recommendation; with interactive traffic also the mixed-SLA layouts
-        (a shared pool with lanes against a latency pool plus a throughput pool), which need the deadline."""
+    def plan(self, gpus: list[GPU], kv_dtypes=DEFAULT_KV_DTYPES, traffic: Traffic | None = None,
+             weights=()) -> dict:
+        """Rows per GPU type x weight format (default: the checkpoint's) x KV dtype and a recommendation; with
+        interactive traffic also the mixed-SLA layouts (a shared pool with lanes against a latency pool plus a
+        throughput pool, at the checkpoint's weights), which need the deadline."""
         if traffic and not self.deadline:
             raise ValueError("--deadline: mixed-SLA planning (--interactive-rate) needs the batch job's deadline: "
                              "it is the window both layouts are sized and priced over")
-        rows = [self.row(g, d) for g in gpus for d in kv_dtypes]
+        formats = [self.with_weights(f).weights for f in weights] or [self.model.weights]
+        rows = [self.row(g, d, f) for g in gpus for f in formats for d in kv_dtypes]
         w = self.work
         report = {"model": {"name": self.model.name, "params": self.model.num_params,
                             "active_params": self.model.active_params, "layers": self.model.num_layers,
@@ -132,34 +144,51 @@ class Planner:
                           "longest_request": self.longest, "mean_request": round(self.mean_len, 1)},
                   "settings": {"utilization": self.util, "deadline_s": self.deadline, "block_size": w.block_size,
                                "max_num_seqs": w.max_num_seqs, "max_num_batched_tokens": w.max_num_batched_tokens,
-                               "prefix_caching": w.prefix_caching, "weights": "fp16", "data_parallel": True},
-                  "rows": rows, "recommendation": recommend(rows, self.deadline)}
+                               "prefix_caching": w.prefix_caching, "weights": formats,
+                               "checkpoint_weights": self.model.weights, "data_parallel": True},
+                  "rows": rows, "recommendation": recommend(rows, self.deadline, self.model.weights)}
         if traffic:
             mixed = MixedPlanner(self, traffic, MAX_GPUS)
-            mixed_rows = [r for g in gpus for r in mixed.rows(g, [row for row in rows if row["gpu"] == g.name])]
+            mixed_rows = [r for g in gpus for r in mixed.rows(g, [row for row in rows if row["gpu"] == g.name
+                                                                     and row["weights"] == self.model.weights])]
             report["mixed"] = {"traffic": traffic.__dict__ | {"latency_kv_dtype": LATENCY_KV_DTYPE},
                                "window_s": self.deadline, "rows": mixed_rows,
                                "recommendation": recommend_mixed(mixed_rows)}
         return report
 
 
-def recommend(rows: list[dict], deadline: float | None) -> dict | None:
-    """The cheapest plan that fits (and meets the deadline); ties go to fewer GPUs, then shorter makespan."""
+def recommend(rows: list[dict], deadline: float | None, checkpoint_weights: str = "fp16") -> dict | None:
+    """The cheapest plan that fits (and meets the deadline); ties go to fewer GPUs, then shorter makespan, then the
+    checkpoint's own weights (no quantization to set up)."""
     ok = [r for r in rows if r.get("fits") and r.get("meets_deadline")]
     if not ok:
         return None
-    ok.sort(key=lambda r: (r["cost_usd"], r["gpus"], r["makespan_s"]))
+    ok.sort(key=lambda r: (r["cost_usd"], r["gpus"], r["makespan_s"], r["weights"] != checkpoint_weights))
     best = ok[0]
     goal = f"meets the {_dur(deadline)} deadline" if deadline else "runs the job"
-    reason = (f"cheapest plan that {goal}: {best['gpus']} x {best['gpu']} with {best['kv_dtype']} KV, "
+    reason = (f"cheapest plan that {goal}: {best['gpus']} x {best['gpu']} with {best['weights']} weights and "
+              f"{best['kv_dtype']} KV, "
               f"${best['cost_usd']:.4g} per job (${best['usd_per_million_output_tokens']:.4g} per M output tokens), "
               f"makespan {_dur(best['makespan_s'])}")
     other = next((r for r in ok[1:] if r["gpu"] != best["gpu"]), None)
     if other:
-        reason += (f"; next: {other['gpus']} x {other['gpu']} {other['kv_dtype']} at ${other['cost_usd']:.4g} "
-                   f"(+{(other['cost_usd'] / max(best['cost_usd'], 1e-12) - 1) * 100:.0f}%)")
-    return {"gpu": best["gpu"], "kv_dtype": best["kv_dtype"], "gpus": best["gpus"], "reason": reason,
-            "executor": executor_stanza(best["gpu"], best["gpus"])}
+        reason += (f"; next: {other['gpus']} x {other['gpu']} {other['weights']} {other['kv_dtype']} at "
+                   f"${other['cost_usd']:.4g} (+{(other['cost_usd'] / max(best['cost_usd'], 1e-12) - 1) * 100:.0f}%)")
+    return {"gpu": best["gpu"], "weights": best["weights"], "kv_dtype": best["kv_dtype"], "gpus": best["gpus"],
+            "reason": reason, "executor": executor_stanza(best["gpu"], best["gpus"]),
+            "engine": engine_stanza(best["kv_dtype"], best["weights"], checkpoint_weights)}
+
+
+def engine_stanza(kv_dtype: str, weights: str, checkpoint_weights: str) -> dict:
+    """The job file's engine settings for the plan: 8-bit weights from a 16-bit checkpoint are quantized at load
+    (engine.quantization); 4-bit weights need a 4-bit (AWQ or GPTQ) checkpoint of the model."""
+    stanza = {"kv_cache_dtype": kv_dtype}
+    if weights != checkpoint_weights:
+        if weights in ("int8", "fp8") and checkpoint_weights == "fp16":
+            stanza["quantization"] = weights
+        else:
+            stanza["model"] = f"a {weights} checkpoint of the model (this one is {checkpoint_weights})"
+    return stanza
 
 
 # catalog names -> Ray's accelerator types (ray.util.accelerators), where they differ
@@ -182,11 +211,11 @@ def format_table(plan: dict) -> str:
              f"head_dim {m['head_dim']}, context {m['max_context']}",
              f"job: {j['requests']} requests, {j['prompt_tokens']} prompt + {j['output_tokens']} output tokens, "
              f"mean {j['mean_request']} / longest {j['longest_request']} tokens per request",
-             "", f"{'gpu':<11}{'kv':<8}{'B/tok':>7}{'wts GiB':>8}{'KV GiB':>8}{'blocks':>9}{'conc mix':>9}"
+             "", f"{'gpu':<11}{'wts':<6}{'kv':<8}{'B/tok':>7}{'wts GiB':>8}{'KV GiB':>8}{'blocks':>9}{'conc mix':>9}"
              f"{'conc ctx':>9}{'decode ms':>10}{'prefill ms':>11}{'1-GPU h':>9}{'drain s':>9}{'GPUs':>6}"
              f"{'h':>7}{'GPU-h':>8}{'$ job':>9}{'$/M out':>9}"]
     for r in plan["rows"]:
-        head = (f"{r['gpu']:<11}{r['kv_dtype']:<8}{r['kv_bytes_per_token']:>7}{r['weights_gib']:>8.2f}"
+        head = (f"{r['gpu']:<11}{r['weights']:<6}{r['kv_dtype']:<8}{r['kv_bytes_per_token']:>7}{r['weights_gib']:>8.2f}"
                 f"{r['kv_budget_gib']:>8.2f}")
         if not r["fits"]:
             lines.append(f"{head}  does not fit: {r['reason']}")
@@ -201,8 +230,8 @@ def format_table(plan: dict) -> str:
               "meets the deadline; raise --deadline or add GPU types"]
     if rec:
         stanza = ", ".join(f"{k}: {v}" for k, v in rec["executor"].items())
-        lines.append(f"to run it on Ray, in the job file: executor: {{{stanza}}}  and  engine: {{kv_cache_dtype: "
-                     f"{rec['kv_dtype']}}}")
+        engine = ", ".join(f"{k}: {v}" for k, v in rec["engine"].items())
+        lines.append(f"to run it on Ray, in the job file: executor: {{{stanza}}}  and  engine: {{{engine}}}")
     if "mixed" in plan:
         lines += ["", *format_mixed(plan["mixed"])]
     return "\n".join(lines)

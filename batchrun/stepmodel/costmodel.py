@@ -17,6 +17,10 @@ from batchrun.engine.step_stats import StepShape
 from batchrun.stepmodel.catalog import GPU
 
 WEIGHT_BYTES = 2   # fp16/bf16 weights on a GPU
+# Bytes per parameter of the layers' projections, by weight format: 8-bit codes (a per-output-channel scale adds
+# under 0.5 %), 4-bit codes with a 16-bit scale and zero point per group of 128 (AWQ, GPTQ). Embeddings, lm_head and
+# norms stay 16-bit in every format (as quantized checkpoints keep them).
+WEIGHT_FORMATS = {"fp16": 2.0, "int8": 1.0, "fp8": 1.0, "int4": 0.5 + 4 / 128}
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,7 @@ class ModelSpec:
     experts_per_token: int = 0        # top-k
     expert_intermediate_size: int = 0
     moe_layers: int = 0               # layers whose MLP is the experts (the others are dense)
+    weights: str = "fp16"             # the projections' format (WEIGHT_FORMATS)
 
     @classmethod
     def from_config(cls, config, name: str = "model") -> "ModelSpec":
@@ -50,7 +55,7 @@ class ModelSpec:
                        max_context=int(get("max_position_embeddings") or 4096),
                        tied_embeddings=bool(get("tie_word_embeddings", False)),
                        attention_bias=bool(get("attention_bias", False) or get("model_type") == "qwen2"),
-                       **_moe_fields(get))
+                       weights=checkpoint_weights(get("quantization_config"), name), **_moe_fields(get))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"model: the config of {name!r} lacks a usable field ({exc}); needs hidden_size, "
                              f"num_attention_heads, num_hidden_layers, intermediate_size, vocab_size") from exc
@@ -89,9 +94,14 @@ class ModelSpec:
         """Those one token runs through: its top-k experts only (= num_params for a dense model)."""
         return int(self._params(self.experts_per_token))
 
+    def _bytes(self, experts_per_moe_layer: float) -> float:
+        plain = self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2) + self.hidden_size
+        projections = self._params(experts_per_moe_layer) - plain
+        return projections * WEIGHT_FORMATS[self.weights] + plain * WEIGHT_BYTES
+
     @property
     def weight_bytes(self) -> int:
-        return self.num_params * WEIGHT_BYTES
+        return int(self._bytes(self.num_experts))
 
     def weight_bytes_read(self, tokens: int) -> float:
         """Weights a step of `tokens` tokens reads: all but the experts, and per MoE layer the experts its tokens
@@ -99,13 +109,37 @@ class ModelSpec:
         if not self.moe_layers:
             return self.weight_bytes
         experts = self.num_experts * (1 - (1 - self.experts_per_token / self.num_experts) ** max(tokens, 1))
-        return self._params(experts) * WEIGHT_BYTES
+        return self._bytes(experts)
 
     def activation_bytes(self, max_num_batched_tokens: int, max_num_seqs: int) -> int:
         """Estimated peak of the largest step besides weights: hidden states and MLP of every token (fp16),
         float32 logits of every sampled sequence. A rough stand-in for the engine's profiled peak."""
         per_token = (4 * self.hidden_size + 2 * self.intermediate_size) * WEIGHT_BYTES
         return max_num_batched_tokens * per_token + max_num_seqs * self.vocab_size * 4
+
+
+def checkpoint_weights(quantization_config, name: str = "model") -> str:
+    """The weight format (WEIGHT_FORMATS) a checkpoint's quantization_config declares; fp16 without one."""
+    if not quantization_config:
+        return "fp16"
+    q = quantization_config if isinstance(quantization_config, dict) else quantization_config.to_dict()
+    method = q.get("quant_method")
+    if method in ("awq", "gptq") and q.get("bits") == 4:
+        return "int4"
+    if method == "fp8":
+        return "fp8"
+    if method == "compressed-tensors":
+        schemes = {(w.get("num_bits"), w.get("type")) for group in (q.get("config_groups") or {}).values()
+                   if isinstance(group, dict) and isinstance(w := group.get("weights"), dict)}
+        formats = {{(8, "float"): "fp8", (8, "int"): "int8", (4, "int"): "int4"}.get(s) for s in schemes}
+        if len(formats) == 1 and None not in formats:
+            return formats.pop()
+    raise ValueError(f"model: {name!r} is quantized with {method!r} ({_scheme_text(q)}), which the planner cannot "
+                     f"size; pass --weights {'|'.join(WEIGHT_FORMATS)} to plan it as one of those")
+
+
+def _scheme_text(q: dict) -> str:
+    return ", ".join(f"{k}={q[k]}" for k in ("bits", "load_in_4bit", "bnb_4bit_quant_type", "format") if k in q) or "-"
 
 
 def _moe_fields(get) -> dict:
