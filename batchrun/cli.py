@@ -374,9 +374,11 @@ def _engine_overrides(items) -> dict:
                    "in throughput; README, deterministic mode).")
 @click.option("--engine", "engine_items", multiple=True, metavar="KEY=VALUE",
               help="Any other engine option (see batchrun/config.py), e.g. --engine block_size=32 (repeatable).")
+@click.option("--adapter", "adapter_items", multiple=True, metavar="NAME=PATH",
+              help="A LoRA adapter (PEFT directory) that requests select with model: NAME (repeatable).")
 def serve(model, host, port, api_key, served_model_name, max_prompt_tokens, max_tokens_limit, max_pending,
           max_body_bytes, kv_cache_memory, kv_cache_dtype, quantization, max_num_seqs, max_num_batched_tokens,
-          max_model_len, deterministic, engine_items) -> None:
+          max_model_len, deterministic, engine_items, adapter_items) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP endpoint (/v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics); requests go to the engine's interactive lane. Needs the serve extra (fastapi, uvicorn)."""
     try:
@@ -392,6 +394,11 @@ def serve(model, host, port, api_key, served_model_name, max_prompt_tokens, max_
                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                    deterministic=deterministic)
     options.update(_engine_overrides(engine_items))
+    for item in adapter_items:
+        name, sep, path = item.partition("=")
+        if not (sep and name.strip() and path.strip()):
+            raise click.BadParameter(f"{item!r}: expected NAME=PATH", param_hint="--adapter")
+        options["adapters"] = {**(options.get("adapters") or {}), name.strip(): path.strip()}
     if max_pending <= 0:
         raise click.BadParameter("must be a positive integer", param_hint="--max-pending")
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:

@@ -65,6 +65,10 @@ class EngineConfig:
     # (None: what the interactive lane leaves). Where step time grows with every token (CPUs), a small cap keeps
     # interactive latency near an idle engine's, at a cost in batch throughput while interactive traffic lasts.
     batch_tokens_while_interactive: int | None = None
+    # LoRA adapters (PEFT directories) by name, selected per request (SamplingParams.adapter); at most
+    # max_adapters of them loaded at a time (least recently used evicted).
+    adapters: dict[str, str] | None = None
+    max_adapters: int = 8
 
     def __post_init__(self):
         self.kv_cache_bytes = None if self.kv_cache_memory is None else parse_memory(self.kv_cache_memory)
@@ -85,7 +89,11 @@ class EngineConfig:
                              f"allowed: {', '.join(KV_CACHE_DTYPES)}")
         if not 0 < self.interactive_token_share < 1:
             raise ValueError(f"interactive_token_share: must be in (0, 1), got {self.interactive_token_share!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "interactive_max_num_seqs"):
+        if self.adapters is not None and (not isinstance(self.adapters, dict) or not all(
+                isinstance(k, str) and k and isinstance(v, str) and v for k, v in self.adapters.items())):
+            raise ValueError(f"adapters: must map adapter names to adapter directories, got {self.adapters!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "interactive_max_num_seqs",
+                     "max_adapters"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")

@@ -30,6 +30,7 @@ class SamplingParams:
     choice: list[str] | None = None
     grammar: str | None = None          # EBNF (xgrammar's dialect, GBNF-like)
     json_object: bool = False           # any JSON object (OpenAI's response_format json_object)
+    adapter: str | None = None          # the LoRA adapter (a name the engine was given) to run under; None: base
 
     def __post_init__(self):
         """Every value is checked here, once, whichever door it came through (Python, a job file, a row column, an
@@ -51,6 +52,8 @@ class SamplingParams:
         for name in ("ignore_eos", "logprobs", "json_object"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be true or false, got {_show(getattr(self, name))}")
+        if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
+            raise ValueError(f"adapter: must be an adapter name (a non-empty string) or null, got {_show(self.adapter)}")
         structured.check(self)
 
     @property

@@ -43,7 +43,7 @@ class BlockManager:
             return []
         tokens = request.token_ids
         max_blocks = (len(tokens) - 1) // self.block_size
-        hits, parent = [], None
+        hits, parent = [], request.adapter   # KV depends on the adapter: its name roots the chain
         for i in range(max_blocks):
             chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
             parent = self.chain_hash(parent, chunk)
@@ -78,7 +78,7 @@ class BlockManager:
         hashes = request.block_hashes
         for i in range(len(hashes), request.num_computed_tokens // self.block_size):
             chunk = tuple(request.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            hashes.append(self.chain_hash(hashes[-1] if hashes else None, chunk))
+            hashes.append(self.chain_hash(hashes[-1] if hashes else request.adapter, chunk))
             block = request.block_table[i]
             # A block identical to one cached already stays private.
             if self.block_hash[block] is None and hashes[-1] not in self.cached:

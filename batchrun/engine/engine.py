@@ -20,6 +20,7 @@ from batchrun.engine.sampler import Sampler
 from batchrun.engine.scheduler import Lane, Scheduler, WaitingQueue, default_admission_key
 from batchrun.engine.step_stats import StepShape, StepStats
 from batchrun.engine.stop import StopRule
+from batchrun.engine.lora import AdapterSet
 from batchrun.models import cpu_gemm, graph, row_tiles
 from batchrun.models.registry import model_class
 from batchrun.quant import formats as quant_formats, load as quant_load
@@ -67,6 +68,9 @@ class Engine:
             log.info("weights: %s", self.quant_scheme.description)
         self.model.init_rope(self.max_model_len, self.device, self.dtype)
         self.model.eval()
+        # Every adapter file is checked against the model here, before any work; each is loaded at first use.
+        self.adapters = (AdapterSet(config.adapters, self.model, self.dtype, self.device, config.max_adapters)
+                         if config.adapters else None)
         packed = self.device.type == "cpu" and self.model.pack_for_cpu()
         if packed:
             log.info("linear layers: oneDNN with pre-packed weights (%s)", str(self.dtype).removeprefix("torch."))
@@ -84,10 +88,11 @@ class Engine:
             self.model.compile_graph()
             log.info("forward: one torch.compile graph (compiled at the first steps; BATCHRUN_COMPILE=ops: per op)")
 
-        self.runner = ModelRunner(self.model, config.block_size, self.device)
+        self.runner = ModelRunner(self.model, config.block_size, self.device, self.adapters)
         self.scheduler = Scheduler(self._build_lanes(admission_key), config.max_num_seqs,
                                    config.max_num_batched_tokens,
-                                   StopRule(self._eos_token_ids(), self.max_model_len, self.tokenizer))
+                                   StopRule(self._eos_token_ids(), self.max_model_len, self.tokenizer),
+                                   max_adapters=config.max_adapters if self.adapters else None)
         self.sampler = Sampler(config.seed)
         self.stats = StepStats(kv_blocks_free=self.num_blocks)
         self._observers: list[tuple[Callable[[StepStats], None], bool]] = []
@@ -101,6 +106,11 @@ class Engine:
         config, attn = self.config, self.model.model.layers[0].self_attn
         budget, field = kv_sizing.total_kv_budget(config, self.device, lambda: self.runner.dummy_forward(
             min(config.max_num_batched_tokens, self.max_model_len), config.max_num_seqs, self.kv_dtype))
+        if self.adapters is not None:
+            log.info("LoRA adapters: %d, at most %d resident, %.1f MiB reserved", len(self.adapters.files),
+                     config.max_adapters, self.adapters.reserved_bytes / 2**20)
+            if field == "gpu_memory_utilization":   # the profiled peak held no adapter yet
+                budget = max(0, budget - self.adapters.reserved_bytes)
         batch_bytes, interactive_bytes = kv_sizing.split_interactive(config, budget)
         specs = [LaneSpec("batch", batch_bytes, config.kv_cache_dtype, config.max_num_seqs,
                           config.max_num_batched_tokens, field, yield_cap=config.batch_tokens_while_interactive)]
@@ -198,6 +208,10 @@ class Engine:
             return f"prompt: token ids must be integers in [0, {vocab})"
         if n >= self.max_model_len:
             return f"prompt: {n} tokens does not fit the context of {self.max_model_len} tokens (max_model_len)"
+        adapter = request.adapter
+        if adapter is not None and (self.adapters is None or adapter not in self.adapters):
+            known = ", ".join(self.adapters.files) if self.adapters else "none"
+            return f"adapter: unknown adapter {adapter!r} (this engine has: {known})"
         return None   # the pool holds one request at max context (checked at start-up): it always fits alone
 
     def _attach_grammar(self, request: Request) -> str | None:

@@ -1,6 +1,7 @@
 """The Python API, in the shape vLLM users know: LLM(...).generate(prompts, SamplingParams(...))."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -175,9 +176,11 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, lane: str = "batch", priority: int = 0) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lane: str = "batch", priority: int = 0,
+                 adapter: str | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order (with n > 1 samples per prompt, its n
-        outputs one after the other, by sample_index)."""
+        outputs one after the other, by sample_index). `adapter`: run every prompt under that LoRA adapter (else
+        each SamplingParams' own `adapter`)."""
         if _is_single_prompt(prompts):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -185,6 +188,8 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        if adapter is not None:
+            params = [dataclasses.replace(p, adapter=adapter) for p in params]
         ids = []
         for prompt, p in zip(prompts, params):
             ids.append(self.engine.add_request(self.encode(prompt), p, lane=lane, priority=priority).request_id)

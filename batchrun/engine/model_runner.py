@@ -10,6 +10,7 @@ from batchrun.engine.kv_cache import KVPool
 from batchrun.engine.request import Request
 from batchrun.engine.scheduler import StepPlan
 from batchrun.kernels import quant
+from batchrun.engine.lora import projection as lora
 from batchrun.sampling_params import SamplingParams
 
 # A decode group is split when padding it to its longest context would add more than this fraction of its
@@ -19,11 +20,12 @@ PAD_TOKENS = 2048
 
 
 class ModelRunner:
-    def __init__(self, model, block_size: int, device: torch.device):
+    def __init__(self, model, block_size: int, device: torch.device, adapters=None):
         self.model = model
         self.block_size = block_size
         self.device = device
         self.pools: list[KVPool] = []
+        self.adapters = adapters   # lora.AdapterSet, or None: no request runs under an adapter
 
     def allocate_kv(self, pools: list[tuple[int, torch.dtype]]) -> None:
         """One KV pool per lane: (number of blocks, storage dtype)."""
@@ -95,18 +97,20 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, plan: StepPlan, pool_of: Callable[[Request], int]) -> tuple[torch.Tensor, list[Request]]:
         """Forward the planned tokens; returns logits [S, vocab] for the S requests that sample this step."""
-        input_ids, positions, sample_rows, sample_reqs, segments = [], [], [], [], []
+        input_ids, positions, sample_rows, sample_reqs, segments, row_adapters = [], [], [], [], [], []
         for pool in sorted({pool_of(r) for r, _ in plan.scheduled}):
             scheduled = [self._span(r, n) for r, n in plan.scheduled if pool_of(r) == pool]
-            # Decodes (one new token) first, by context length, so their rows form a few vectorised groups.
-            decodes = sorted(((r, s, n) for r, s, n in scheduled if n == 1), key=lambda rsn: rsn[1])
-            prefills = [(r, s, n) for r, s, n in scheduled if n > 1]
+            # Decodes (one new token) first, by context length, so their rows form a few vectorised groups; each
+            # adapter's decodes and prefills contiguous, so its LoRA update is one product pair per run.
+            decodes = sorted(((r, s, n) for r, s, n in scheduled if n == 1), key=lambda rsn: (_adapter(rsn), rsn[1]))
+            prefills = sorted(((r, s, n) for r, s, n in scheduled if n > 1), key=_adapter)
             seg_start, slots, chunks = len(input_ids), [], []
             for request, start, n in decodes + prefills:
                 if n > 1:
                     chunks.append(PrefillChunk(len(input_ids) - seg_start, n, start + n,
                                                torch.tensor(request.block_table, device=self.device)))
                 input_ids.extend(request.token_ids[start:start + n])
+                row_adapters.extend([request.adapter] * n)
                 offset = self.model.rope_offset(request.num_tokens)
                 positions.extend(range(start + offset, start + n + offset))
                 slots.extend(self._slots(request, start, start + n))
@@ -116,7 +120,13 @@ class ModelRunner:
             meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=self.device),
                                      decode_groups=self._decode_groups([r for r, _, _ in decodes]), prefills=chunks)
             segments.append(Segment(seg_start, len(input_ids), pool, meta))
-        logits = self.model(torch.tensor(input_ids, device=self.device),
-                            torch.tensor(positions, device=self.device), segments,
-                            torch.tensor(sample_rows, device=self.device, dtype=torch.long))
+        runs = self.adapters.runs(row_adapters) if self.adapters is not None else []
+        with lora.step(runs):
+            logits = self.model(torch.tensor(input_ids, device=self.device),
+                                torch.tensor(positions, device=self.device), segments,
+                                torch.tensor(sample_rows, device=self.device, dtype=torch.long))
         return logits, sample_reqs
+
+
+def _adapter(scheduled: tuple[Request, int, int]) -> str:
+    return scheduled[0].adapter or ""

@@ -52,6 +52,10 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
+    def adapter(self) -> str | None:
+        return self.params.adapter
+
+    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 

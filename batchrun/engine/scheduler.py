@@ -90,8 +90,9 @@ class Lane:
 
 class Scheduler:
     def __init__(self, lanes: list[Lane], max_num_seqs: int, max_num_batched_tokens: int,
-                 stop_rule: StopRule = StopRule()):
+                 stop_rule: StopRule = StopRule(), max_adapters: int | None = None):
         self.lanes = lanes                       # highest priority first
+        self.max_adapters = max_adapters         # distinct LoRA adapters among running requests; None: any
         self._lane_by_name = {lane.name: lane for lane in lanes}
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -158,11 +159,14 @@ class Scheduler:
         return used
 
     def _admit(self, lane: Lane, budget: int, plan: StepPlan) -> int:
-        used = 0
+        used, deferred = 0, []
         while lane.waiting and used < budget and len(lane.running) < lane.max_num_seqs:
             if sum(len(x.running) for x in self.lanes) >= self.max_num_seqs and not self._free_a_seat(lane, plan):
                 break
             request = lane.waiting.peek()
+            if not self._adapter_fits(request):   # waits for a running adapter's rows to finish; others go ahead
+                deferred.append(lane.waiting.pop())
+                continue
             if request.forks_pending and lane.running and len(lane.running) + request.params.n > lane.max_num_seqs:
                 break   # its samples will take n seats
             hits = lane.block_manager.get_computed_blocks(request)
@@ -178,7 +182,16 @@ class Scheduler:
             lane.running.append(request)
             plan.scheduled.append((request, n))
             used += n
+        for request in deferred:
+            lane.waiting.push(request)
         return used
+
+    def _adapter_fits(self, request: Request) -> bool:
+        """Its adapter is among the running requests' or one more stays within max_adapters (base always fits)."""
+        if request.adapter is None or self.max_adapters is None:
+            return True
+        running = {r.adapter for r in self.running} - {None}
+        return request.adapter in running or len(running) < self.max_adapters
 
     def _free_a_seat(self, lane: Lane, plan: StepPlan) -> bool:
         """All seats taken: a higher lane takes one from the lowest lane below it, never the reverse."""

@@ -32,6 +32,7 @@ class OpenAIBatchSource:
     def __init__(self, spec: JobSpec):
         self.spec, self.inp = spec, spec.input
         self.files = input_files(spec)
+        self.adapters = set(spec.engine_options.get("adapters") or ())   # body.model may name one
         if self.inp.passthrough:
             raise spec.fail(("input", "passthrough"), "is not supported for OpenAI batch input")
         for path in self.files:
@@ -40,6 +41,15 @@ class OpenAIBatchSource:
 
     def passthrough_schema(self) -> list[pa.Field]:
         return [pa.field("url", pa.string())]
+
+    def _adapter(self, model) -> dict:
+        """body.model as the row's adapter, where the job has adapters (without, body.model is not read): the base
+        model's name (as the job gives it, or its directory's name) selects none; any other name is the adapter (an
+        unknown one fails the row, naming it)."""
+        base = self.spec.model
+        if not self.adapters or model is None or model in (base, os.path.basename(base.rstrip("/"))):
+            return {}
+        return {"adapter": model}
 
     def _lines(self) -> Iterator[tuple[str, int, str]]:
         left = self.inp.limit
@@ -81,9 +91,10 @@ class OpenAIBatchSource:
                 else:
                     given = {k: p for k, p in BODY_PARAMS.items() if body.get(k) is not None}
                     where = f"{os.path.basename(path)} line {number}: body."
-                    set_params(self.spec, row, {**{p: body[k] for k, p in given.items()}, **structured},
+                    set_params(self.spec, row, {**{p: body[k] for k, p in given.items()}, **structured,
+                                                **self._adapter(body.get("model"))},
                                {**{p: where + k for k, p in given.items()},
-                                **{k: where + "response_format" for k in structured}})
+                                **{k: where + "response_format" for k in structured}, "adapter": where + "model"})
             rows.append(row)
             if len(rows) == batch_size:
                 yield rows

@@ -67,6 +67,8 @@ class InputSection(Section):
     top_p_column: Optional[str] = None
     seed_column: Optional[str] = None
     json_schema_column: Optional[str] = Field(None, description="a JSON schema (text) per row for its output")
+    adapter_column: Optional[str] = Field(None, description="a LoRA adapter name (one of engine.adapters) per row; "
+                                                            "null: sampling.adapter, else the base model")
     passthrough: list[str] = Field(default_factory=list, description="input columns copied to the output")
     limit: Optional[PositiveInt] = None
     allow_duplicate_ids: bool = False

@@ -18,11 +18,12 @@ from batchrun.job.storage import fingerprint as file_fingerprint
 from batchrun.sampling_params import SamplingParams
 
 ROW_PARAM_COLUMNS = {"max_tokens_column": "max_tokens", "temperature_column": "temperature",
-                     "top_p_column": "top_p", "seed_column": "seed", "json_schema_column": "json_schema"}
+                     "top_p_column": "top_p", "seed_column": "seed", "json_schema_column": "json_schema",
+                     "adapter_column": "adapter"}
 _INTEGER, _NUMBER = "integers", "numbers"
-_TEXT = "text (a JSON schema)"
+_TEXT, _NAME = "text (a JSON schema)", "text (an adapter name)"
 _KINDS = {"max_tokens_column": _INTEGER, "seed_column": _INTEGER, "temperature_column": _NUMBER,
-          "top_p_column": _NUMBER, "json_schema_column": _TEXT}
+          "top_p_column": _NUMBER, "json_schema_column": _TEXT, "adapter_column": _NAME}
 
 
 @dataclass
@@ -134,8 +135,8 @@ class ParquetSource:
             need("template", column)
         for key, kind in _KINDS.items():
             if getattr(inp, key):
-                need(key, getattr(inp, key), pa.types.is_integer if kind == _INTEGER else _is_text if kind == _TEXT
-                     else lambda t: pa.types.is_integer(t) or pa.types.is_floating(t), kind)
+                need(key, getattr(inp, key), pa.types.is_integer if kind == _INTEGER else _is_text
+                     if kind in (_TEXT, _NAME) else lambda t: pa.types.is_integer(t) or pa.types.is_floating(t), kind)
         for column in inp.passthrough:
             need("passthrough", column)
 

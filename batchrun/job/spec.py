@@ -24,9 +24,9 @@ from batchrun.job.sections import (BatchingSection, EngineSection, ExecutorSecti
 from batchrun.job.storage import Storage, StorageError, check_options, check_uri, is_uri, read_bytes
 from batchrun.sampling_params import SamplingParams
 
-# what changes the rows' contents (the job's identity): these sections and engine.deterministic; the other engine,
-# batching and logging settings only change speed
-IDENTITY = ("model", "input", "sampling", "deterministic")
+# what changes the rows' contents (the job's identity): these sections, engine.deterministic and the fingerprints
+# of engine.adapters' files; the other engine, batching and logging settings only change speed
+IDENTITY = ("model", "input", "sampling", "deterministic", "adapters")
 
 
 class JobSpec:
@@ -142,6 +142,7 @@ class JobSpec:
             EngineConfig(model=self.model, **self.engine_options)
         except ValueError as exc:
             raise self._field_error("engine", exc) from exc
+        self.adapter_fingerprints = self._fingerprint_adapters()
         self._read_schema_file()
         try:
             self.sampling_params()
@@ -165,6 +166,15 @@ class JobSpec:
                     check_uri(value)
                 except StorageError as exc:
                     raise self.fail(key, str(exc)) from None
+
+    def _fingerprint_adapters(self) -> dict[str, str]:
+        """engine.adapters' files, each checked as a PEFT LoRA adapter: name -> content hash."""
+        from batchrun.engine.lora.adapter_file import AdapterFile
+        try:
+            return {name: AdapterFile(name, path).fingerprint
+                    for name, path in (self.engine_options.get("adapters") or {}).items()}
+        except ValueError as exc:
+            raise self.fail(("engine", "adapters"), str(exc)) from None
 
     def _read_schema_file(self) -> None:
         """sampling.json_schema_file into sampling.json_schema (so the schema's text is part of the identity)."""
@@ -229,13 +239,20 @@ class JobSpec:
 
     @property
     def engine_options(self) -> dict:
-        """The EngineConfig options the job sets (the others keep EngineConfig's defaults)."""
-        return self.engine.model_dump(exclude_unset=True, exclude={"lane"})
+        """The EngineConfig options the job sets (the others keep EngineConfig's defaults); adapter directories
+        relative to the job file."""
+        options = self.engine.model_dump(exclude_unset=True, exclude={"lane"})
+        if options.get("adapters"):
+            options["adapters"] = {name: self.resolve(path) for name, path in options["adapters"].items()}
+        return options
 
     def identity_fields(self) -> dict:
-        """What decides the rows' contents: model, input (its path made absolute), sampling, and deterministic
-        mode where it is on (absent when off, so jobs written before the mode existed keep their identity)."""
+        """What decides the rows' contents: model, input (its path made absolute), sampling, the adapters' file
+        hashes, and deterministic mode where it is on (absent when off, so jobs written before the mode existed
+        keep their identity)."""
         fields = {"model": self.model, "input": self.input.model_dump(), "sampling": self.sampling.model_dump()}
+        if self.adapter_fingerprints:   # absent without adapters: the identity of jobs without them is unchanged
+            fields["adapters"] = self.adapter_fingerprints
         fields["input"]["path"] = self.resolve(self.input.path)
         if self.engine.deterministic:   # a resumed job must not mix rows of both modes
             fields["deterministic"] = True

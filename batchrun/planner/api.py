@@ -12,7 +12,15 @@ def make_planner(spec: JobSpec, deadline: str | None = None, model_config: str |
     model = workload.read_model_config(model_config or spec.model, spec.engine.trust_remote_code,
                                        "--model-config" if model_config else "model")
     work = workload.load_workload(spec, model, max_num_seqs)
-    return planner.Planner(model, work, utilization, deadline_seconds(spec, deadline))
+    return planner.Planner(model, work, utilization, deadline_seconds(spec, deadline),
+                           adapter_bytes=adapter_bytes(spec))
+
+
+def adapter_bytes(spec: JobSpec) -> int:
+    """engine.max_adapters of the job's largest adapter, in 16-bit (small: rank x (in + out) per adapted module)."""
+    from batchrun.engine.lora.adapter_file import AdapterFile
+    sizes = [AdapterFile(name, path).nbytes(2) for name, path in (spec.engine_options.get("adapters") or {}).items()]
+    return min(spec.engine.max_adapters, len(sizes)) * max(sizes, default=0)
 
 
 def deadline_seconds(spec: JobSpec, deadline: str | None) -> float | None:

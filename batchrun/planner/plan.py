@@ -28,10 +28,11 @@ def kv_bytes_per_token(model: ModelSpec, dtype: str) -> int:
 
 class Planner:
     def __init__(self, model: ModelSpec, work: Workload, utilization: float = 0.9,
-                 deadline_s: float | None = None, cost_options: dict | None = None):
+                 deadline_s: float | None = None, cost_options: dict | None = None, adapter_bytes: int = 0):
         if not 0 < utilization <= 1:
             raise ValueError(f"--utilization: must be in (0, 1], got {utilization!r}")
         self.model, self.work, self.util, self.deadline = model, work, utilization, deadline_s
+        self.adapter_bytes = adapter_bytes   # the LoRA adapters the engine may hold at once (engine.max_adapters)
         self.cost_options = cost_options or {}
         self._traces: dict[tuple, Trace] = {}
         lengths = [i.prompt_len + i.output_tokens for i in work.items]
@@ -67,8 +68,9 @@ class Planner:
         return dataclasses.replace(self.model, weights=weights)
 
     def kv_budget(self, gpu: GPU, weights: str | None = None) -> int:
-        """Bytes left for KV on one GPU: its memory at the utilisation, less weights and activations."""
-        return int(gpu.memory_bytes * self.util) - self.with_weights(weights).weight_bytes - self.activation_bytes()
+        """Bytes left for KV on one GPU: its memory at the utilisation, less weights, activations and adapters."""
+        return (int(gpu.memory_bytes * self.util) - self.with_weights(weights).weight_bytes - self.activation_bytes()
+                - self.adapter_bytes)
 
     def cost_model(self, gpu: GPU, kv_bytes_per_token: int, weights: str | None = None) -> RooflineModel:
         return RooflineModel(self.with_weights(weights), gpu, kv_bytes_per_token, **self.cost_options)
@@ -79,10 +81,12 @@ class Planner:
         act, budget = self.activation_bytes(), self.kv_budget(gpu, m.weights)
         row = {"gpu": gpu.name, "weights": m.weights, "kv_dtype": dtype, "kv_bytes_per_token": bpt,
                "weights_gib": m.weight_bytes / 2**30, "activations_gib": act / 2**30,
-               "kv_budget_gib": max(budget, 0) / 2**30, "price_per_hour": gpu.price_per_hour}
+               "adapters_gib": self.adapter_bytes / 2**30, "kv_budget_gib": max(budget, 0) / 2**30,
+               "price_per_hour": gpu.price_per_hour}
         if budget <= 0:
+            adapters = f" + adapters {self.adapter_bytes / 2**30:.1f} GiB" if self.adapter_bytes else ""
             return row | {"fits": False, "reason": f"weights {m.weight_bytes / 2**30:.1f} GiB + activations "
-                          f"{act / 2**30:.1f} GiB exceed {self.util:.0%} of {gpu.memory_gb:g} GB"}
+                          f"{act / 2**30:.1f} GiB{adapters} exceed {self.util:.0%} of {gpu.memory_gb:g} GB"}
         blocks = budget // (bpt * w.block_size)
         tokens = blocks * w.block_size
         need = -(-self.longest // w.block_size)

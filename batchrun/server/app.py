@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import time
 import uuid
@@ -70,8 +71,11 @@ def create_app(llm, api_key: str | None = None, model_name: str | None = None, m
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.started,
-                                            "owned_by": "batchrun", "max_model_len": max_len}]}
+        base = {"id": server.model_name, "object": "model", "created": server.started, "owned_by": "batchrun",
+                "max_model_len": max_len}
+        # each LoRA adapter is a model of its own whose parent is the base (as vLLM lists them)
+        return {"object": "list", "data": [base, *({**base, "id": name, "parent": server.model_name}
+                                                   for name in server.adapters)]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -100,9 +104,7 @@ class _Server:
                     max_tokens: int | None, max_tokens_param: str, default_max_tokens: int | None, logprobs: bool):
         arrival = time.monotonic()
         body.check_supported()
-        if body.model is not None and body.model != self.model_name:
-            raise APIError(404, f"model: {body.model!r} is not served here; this server serves "
-                                f"{self.model_name!r} (see /v1/models)", "model", code="model_not_found")
+        adapter = self._adapter(body.model)
         if not self.llm.healthy:
             raise APIError(503, f"engine failed: {self.llm.loop_error}; restart the server", type="server_error",
                            code="engine_failed")
@@ -112,8 +114,10 @@ class _Server:
         token_ids = self._encode(get_prompt(), prompt_param)
         params = body.sampling_params(self._max_tokens(len(token_ids), max_tokens, max_tokens_param,
                                                        default_max_tokens), logprobs)
-        fmt = fmt_cls(f"{'chatcmpl' if fmt_cls is ChatFormat else 'cmpl'}-{uuid.uuid4().hex}", self.model_name,
-                      self.llm.tokenizer)
+        if adapter is not None:
+            params = dataclasses.replace(params, adapter=adapter)
+        fmt = fmt_cls(f"{'chatcmpl' if fmt_cls is ChatFormat else 'cmpl'}-{uuid.uuid4().hex}",
+                      adapter or self.model_name, self.llm.tokenizer)
         try:
             handle = self.llm.submit(token_ids, params, lane=self.lane, request_id=fmt.id)
         except EngineOverloaded as exc:
@@ -125,6 +129,21 @@ class _Server:
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await self._complete(handle, fmt, request, arrival, logprobs)
+
+    @property
+    def adapters(self) -> list[str]:
+        adapters = self.llm.engine.adapters
+        return list(adapters.files) if adapters is not None else []
+
+    def _adapter(self, model: str | None) -> str | None:
+        """The LoRA adapter `model` names; None for the base model (or no model); 404 for anything else."""
+        if model is None or model == self.model_name:
+            return None
+        if model in self.adapters:
+            return model
+        served = ", ".join(repr(m) for m in [self.model_name, *self.adapters])
+        raise APIError(404, f"model: {model!r} is not served here; this server serves {served} (see /v1/models)",
+                       "model", code="model_not_found")
 
     def _encode(self, prompt, param: str) -> list[int]:
         try:

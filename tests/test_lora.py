@@ -1,0 +1,192 @@
+"""LoRA adapters per request: greedy tokens equal transformers + PEFT (unmerged and merged) for every adapter, in
+one mixed batch with base rows, across chunked prefill and forced preemption; the prefix cache keyed by adapter;
+the resident set's LRU; bad adapters refused naming the file and the module."""
+import json
+import os
+
+import pytest
+import torch
+
+from batchrun import LLM, SamplingParams
+from conftest import random_prompts, reference_greedy
+from lora_kit import ADAPTERS, build, peft_greedy
+
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("lora-llama"))
+
+
+def mixed_rows(names, lengths, seed):
+    """Prompts with an adapter each, cycling through `names` (None: the base model)."""
+    prompts = random_prompts(lengths, seed=seed)
+    return [(p, names[i % len(names)]) for i, p in enumerate(prompts)]
+
+
+def run(llm, rows, max_tokens=MAX_TOKENS):
+    params = [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, adapter=a) for _, a in rows]
+    outs = llm.generate([p for p, _ in rows], params, use_tqdm=False)
+    for out in outs:
+        assert out.finish_reason == "length", out.error
+    return [out.token_ids for out in outs]
+
+
+def expected(base, peft_models, rows, merged=False, max_tokens=MAX_TOKENS):
+    return [reference_greedy(base, p, max_tokens) if a is None else peft_greedy(peft_models[a], p, max_tokens, merged)
+            for p, a in rows]
+
+
+def check_mixed(path, base, paths, peft_models, seed, merged=False, lengths=(3, 9, 17, 5, 23, 12, 7, 30), **engine):
+    llm = LLM(model=path, adapters=paths, **{"kv_cache_memory": "4MiB", **engine})
+    rows = mixed_rows([None, *paths], lengths, seed=seed)
+    got = run(llm, rows)
+    assert got == expected(base, peft_models, rows)
+    if merged:
+        assert got == expected(base, peft_models, rows, merged=True)
+    # every adapter changes the output: the test would see an adapter that is ignored
+    assert all(tokens != reference_greedy(base, p, MAX_TOKENS) for tokens, (p, a) in zip(got, rows) if a)
+    llm.engine.block_manager.check_integrity()
+    return llm
+
+
+def test_llama_mixed_batch_with_chunked_prefill(llama):
+    check_mixed(*llama, seed=1, merged=True, block_size=4, max_num_batched_tokens=16)
+
+
+def test_llama_forced_preemption(llama):
+    llm = check_mixed(*llama, seed=2, block_size=4, max_num_batched_tokens=64, kv_cache_memory="40KiB",
+                      max_model_len=64)
+    assert llm.engine.stats.preemptions > 0
+
+
+def test_qwen3_mixed_batch(tmp_path):
+    check_mixed(*build(tmp_path, "qwen3", head_dim=16), seed=3, merged=True, block_size=8, max_num_batched_tokens=24)
+
+
+def test_generate_adapter_argument(llama):
+    path, base, paths, peft_models = llama
+    llm = LLM(model=path, adapters=paths, kv_cache_memory="4MiB")
+    prompt = random_prompts([11], seed=4)[0]
+    out = llm.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
+                       use_tqdm=False, adapter="qv")
+    assert out[0].token_ids == peft_greedy(peft_models["qv"], prompt, MAX_TOKENS)
+
+
+def test_prefix_cache_is_keyed_by_adapter(llama):
+    path, base, paths, peft_models = llama
+    llm = LLM(model=path, adapters=paths, kv_cache_memory="4MiB", block_size=4)
+    prompt = random_prompts([25], seed=5)[0]
+    alone = {a: run(llm, [(prompt, a)])[0] for a in (None, "support", "invoices")}
+    together = run(llm, [(prompt, a) for a in (None, "support", "invoices")])
+    assert together == list(alone.values())
+    assert len(set(map(tuple, together))) == 3
+    assert llm.engine.stats.prefix_cache_hit_tokens > 0   # each adapter hit its own blocks from its first run
+
+
+def test_lru_keeps_at_most_max_adapters(llama):
+    path, base, paths, peft_models = llama
+    llm = LLM(model=path, adapters=paths, max_adapters=1, kv_cache_memory="4MiB")
+    rows = mixed_rows([None, *paths], [4, 6, 8, 10, 5, 7], seed=6)
+    assert run(llm, rows) == expected(base, peft_models, rows)
+    assert len(llm.engine.adapters.resident) == 1
+    assert llm.engine.adapters.loads == 3   # rows of one adapter at a time: each adapter loaded once
+
+
+def test_unknown_adapter_fails_that_row_alone(llama):
+    path, base, paths, peft_models = llama
+    llm = LLM(model=path, adapters=paths, kv_cache_memory="4MiB")
+    params = [SamplingParams(max_tokens=2, temperature=0, adapter=a) for a in ("support", "nope", None)]
+    outs = llm.generate(random_prompts([5, 5, 5], seed=7), params, use_tqdm=False)
+    assert [o.finish_reason for o in outs] == ["length", "error", "length"]
+    assert "unknown adapter 'nope'" in outs[1].error and "support" in outs[1].error
+
+
+def _corrupt(tmp_path, llama, name, change):
+    """A copy of the 'qv' adapter with `change(config, tensors)` applied; returns its directory."""
+    from safetensors.torch import load_file, save_file
+    source = llama[2]["qv"]
+    target = tmp_path / name
+    target.mkdir()
+    config = json.load(open(os.path.join(source, "adapter_config.json")))
+    tensors = load_file(os.path.join(source, "adapter_model.safetensors"))
+    change(config, tensors)
+    json.dump(config, open(target / "adapter_config.json", "w"))
+    save_file(tensors, str(target / "adapter_model.safetensors"))
+    return str(target)
+
+
+def _rank_mismatch(config, tensors):
+    key = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
+    tensors[key] = torch.zeros(tensors[key].shape[0], 3)
+
+
+def _wrong_width(config, tensors):
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    tensors[key] = torch.zeros(4, 32)
+
+
+def _unsupported_target(config, tensors):
+    tensors["base_model.model.lm_head.lora_A.weight"] = torch.zeros(4, 64)
+    tensors["base_model.model.lm_head.lora_B.weight"] = torch.zeros(256, 4)
+
+
+def _dora(config, tensors):
+    config["use_dora"] = True
+
+
+@pytest.mark.parametrize("change, message", [
+    (_rank_mismatch, "module 'model.layers.1.self_attn.v_proj': lora_A is [4, 64] and lora_B is [32, 3]"),
+    (_wrong_width, "module 'model.layers.0.self_attn.q_proj': lora_A is [4, 32]"),
+    (_unsupported_target, "module 'lm_head' is not a supported target"),
+    (_dora, "use_dora: True is not supported"),
+])
+def test_bad_adapter_refused_naming_file_and_module(tmp_path, llama, change, message):
+    bad = _corrupt(tmp_path, llama, "bad", change)
+    with pytest.raises(ValueError) as err:
+        LLM(model=llama[0], adapters={"ok": llama[2]["qv"], "bad": bad}, kv_cache_memory="4MiB")
+    assert message in str(err.value) and "adapter 'bad'" in str(err.value) and bad in str(err.value)
+
+
+def test_missing_adapter_directory(tmp_path, llama):
+    with pytest.raises(ValueError, match=r"adapter 'gone': .*adapter_config.json does not exist"):
+        LLM(model=llama[0], adapters={"gone": str(tmp_path / "nowhere")}, kv_cache_memory="4MiB")
+
+
+def test_adapter_for_another_model(tmp_path, llama):
+    """An adapter made for a narrower model: the error names the module and the shapes the base needs."""
+    other = build(tmp_path, hidden_size=32, adapters={"wide": ADAPTERS["qv"]})
+    with pytest.raises(ValueError, match=r"adapter 'wide'.*the base model needs \[r, 64\]"):
+        LLM(model=llama[0], adapters=other[2], kv_cache_memory="4MiB")
+
+
+def test_whole_model_graph(llama, monkeypatch):
+    """The CPU default: one compiled graph whose opaque LoRA op reads each step's adapter runs (any mix, one graph)."""
+    monkeypatch.setenv("BATCHRUN_COMPILE", "1")
+    llm = check_mixed(*llama, seed=8, lengths=(3, 17, 9, 23), block_size=4, max_num_batched_tokens=16)
+    assert llm.engine.model._graph is not None
+
+
+def test_server_model_field_selects_the_adapter(llama):
+    openai = pytest.importorskip("openai")
+    from batchrun.server import ServerThread, create_app
+    path, base, paths, peft_models = llama
+    llm = LLM(model=path, adapters=paths, kv_cache_memory="4MiB")
+    llm.start_background()
+    server = ServerThread(create_app(llm, model_name="tiny")).start()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=30)
+        assert [m.id for m in client.models.list().data] == ["tiny", *paths]
+        prompt = random_prompts([9], seed=9)[0]
+        for model, want in (("tiny", reference_greedy(base, prompt, 5)),
+                            ("support", peft_greedy(peft_models["support"], prompt, 5))):
+            r = client.completions.create(model=model, prompt=prompt, max_tokens=5, temperature=0,
+                                          extra_body={"ignore_eos": True})
+            assert r.model == model and r.choices[0].text == llm.tokenizer.decode(want, skip_special_tokens=True)
+        with pytest.raises(openai.NotFoundError, match="'nope' is not served here; this server serves 'tiny', "
+                                                       "'support'"):
+            client.completions.create(model="nope", prompt=prompt, max_tokens=2)
+    finally:
+        server.stop()
+        llm.stop_background()
