@@ -58,6 +58,8 @@ class EngineConfig:
     # (None: what the interactive lane leaves). Where step time grows with every token (CPUs), a small cap keeps
     # interactive latency near an idle engine's, at a cost in batch throughput while interactive traffic lasts.
     batch_tokens_while_interactive: int | None = None
+    # Ranks the model is split over (Megatron tensor parallelism, one process per rank; see batchrun/parallel).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         self.kv_cache_bytes = None if self.kv_cache_memory is None else parse_memory(self.kv_cache_memory)
@@ -75,7 +77,8 @@ class EngineConfig:
                              f"allowed: {', '.join(KV_CACHE_DTYPES)}")
         if not 0 < self.interactive_token_share < 1:
             raise ValueError(f"interactive_token_share: must be in (0, 1), got {self.interactive_token_share!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "interactive_max_num_seqs"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "interactive_max_num_seqs",
+                     "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")

@@ -12,16 +12,15 @@ import torch
 
 from batchrun.config import EngineConfig
 from batchrun.engine import cpu_dtype, kv_cache, kv_sizing, loader
-from batchrun.engine.backends import get_backend
 from batchrun.engine.block_manager import BlockManager
+from batchrun.engine.model_build import build_model
 from batchrun.engine.model_runner import ModelRunner
 from batchrun.engine.request import Request, RequestOutput
 from batchrun.engine.sampler import Sampler
 from batchrun.engine.scheduler import Lane, Scheduler, WaitingQueue, default_admission_key
 from batchrun.engine.step_stats import StepShape, StepStats
 from batchrun.engine.stop import StopRule
-from batchrun.models import cpu_gemm, graph
-from batchrun.models.registry import model_class
+from batchrun.models import cpu_gemm
 from batchrun.sampling_params import SamplingParams, sample_seed
 from batchrun.structured import GrammarCompiler
 
@@ -54,24 +53,14 @@ class Engine:
         self.kv_dtype = kv_cache.storage_dtype(config.kv_cache_dtype, self.dtype)   # the batch lane's
         self.max_model_len = loader.max_model_len(self.hf_config, config.max_model_len)
 
-        with torch.device("meta"):
-            model_cls = model_class(self.hf_config.model_type)
-            self.model = model_cls(self.hf_config, get_backend(config.attention_backend, self.device))
-        self.model.load_state_dict(loader.load_weights(self.model_path, self.device, self.dtype,
-                                                       self.model.checkpoint_plan), assign=True)
-        self.model.init_rope(self.max_model_len, self.device, self.dtype)
-        self.model.eval()
-        if self.device.type == "cpu" and self.model.pack_for_cpu():
-            log.info("linear layers: oneDNN with pre-packed weights (%s)", str(self.dtype).removeprefix("torch."))
-        if self.device.type == "cpu":
-            # The loader's read buffers (float32 checkpoint rows converted to the compute dtype) and the dense
-            # weights packing replaced are free but stay resident in glibc's heap until trimmed: 0.4-0.7x the weights.
-            cpu_gemm.return_freed_memory(now=True)
-        if self.device.type == "cpu" and graph.enabled() and self.model.whole_graph:
-            self.model.compile_graph()
-            log.info("forward: one torch.compile graph (compiled at the first steps; BATCHRUN_COMPILE=ops: per op)")
-
-        self.runner = ModelRunner(self.model, config.block_size, self.device)
+        if config.tensor_parallel_size > 1:   # rank 0 of a tensor-parallel group: starts the other ranks
+            from batchrun.parallel.runner import TensorParallelRunner
+            self.runner = TensorParallelRunner(config, self.model_path, self.hf_config, self.device, self.dtype,
+                                               self.max_model_len)
+        else:
+            self.runner = ModelRunner(build_model(config, self.model_path, self.hf_config, self.device, self.dtype,
+                                                  self.max_model_len), config.block_size, self.device)
+        self.model = self.runner.model
         self.scheduler = Scheduler(self._build_lanes(admission_key), config.max_num_seqs,
                                    config.max_num_batched_tokens,
                                    StopRule(self._eos_token_ids(), self.max_model_len, self.tokenizer))
@@ -139,6 +128,11 @@ class Engine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return frozenset(ids)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker ranks and leave their process group (nothing to do on one rank)."""
+        if hasattr(self.runner, "close"):
+            self.runner.close()
 
     @property
     def block_manager(self) -> BlockManager:
