@@ -7,3 +7,7 @@ step's forward inputs to the other ranks, worker processes that only run the for
 embedding and lm_head by vocabulary rows (logits gathered on rank 0), MoE experts by their intermediate size.
 Collectives (group.py) run over gloo on the CPU and NCCL on CUDA.
 """
+
+
+class TensorParallelError(RuntimeError):
+    """A rank failed: the engine cannot step any more (a job saves its finished rows and exits to resume)."""

@@ -22,14 +22,10 @@ import torch.multiprocessing as mp
 from batchrun.config import EngineConfig
 from batchrun.engine.model_build import build_model
 from batchrun.engine.model_runner import ModelRunner, StepInputs
-from batchrun.parallel import group, shard, worker
+from batchrun.parallel import TensorParallelError, group, shard, worker
 
 log = logging.getLogger("batchrun")
 READY_TIMEOUT_S = 600   # loading a rank's slice of a large checkpoint
-
-
-class TensorParallelError(RuntimeError):
-    """A rank failed: the engine cannot step any more (the job saves its finished rows and exits to resume)."""
 
 
 @dataclass
