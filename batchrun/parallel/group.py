@@ -13,6 +13,7 @@ import torch.distributed as dist
 # A collective that waits longer than this fails (a rank that died or hangs) instead of blocking its peers. The
 # first steps of each rank compile their graphs, which can take a minute on a busy CPU.
 TIMEOUT_S = float(os.environ.get("BATCHRUN_TP_TIMEOUT_S", "300"))
+JOIN_TIMEOUT_S = 300
 
 
 class Comm:
@@ -28,9 +29,12 @@ def free_port() -> int:
 
 
 def init(rank: int, world_size: int, port: int, device: torch.device) -> None:
-    """Join the group of `world_size` ranks that rank 0 listens for on 127.0.0.1:`port`."""
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    """Join the group of `world_size` ranks that rank 0 listens for on 127.0.0.1:`port` (each rank may take
+    JOIN_TIMEOUT_S to start: a fresh interpreter importing torch)."""
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0,
+                          timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=TIMEOUT_S))
 
 
 def destroy() -> None:

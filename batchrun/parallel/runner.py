@@ -117,9 +117,12 @@ class TensorParallelRunner(ModelRunner):
         for w in self.workers:
             w.process.join(1)   # a rank that just died: let its exit code arrive
         dead = [w.describe() for w in self.workers if not w.process.is_alive()]
-        self.error = (f"tensor parallel: {', '.join(dead) or 'a collective failed'}; the {command} step stopped "
+        what = ", ".join(dead) or f"no rank exited, a collective failed (timeout {group.TIMEOUT_S:g} s)"
+        self.error = (f"tensor parallel: {what}; the {command} step stopped "
                       f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
         log.error("%s", self.error)
+        for w in self.workers:   # a rank stuck in a collective would not read "stop"
+            w.process.kill()
         self.close()
         raise TensorParallelError(self.error) from exc
 
