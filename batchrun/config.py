@@ -58,7 +58,7 @@ class EngineConfig:
     # (None: what the interactive lane leaves). Where step time grows with every token (CPUs), a small cap keeps
     # interactive latency near an idle engine's, at a cost in batch throughput while interactive traffic lasts.
     batch_tokens_while_interactive: int | None = None
-    # Ranks the model is split over (Megatron tensor parallelism, one process per rank; see batchrun/parallel).
+    # Ranks the model is split over (Megatron tensor parallelism, a process per rank: batchrun/engine/parallel).
     tensor_parallel_size: int = 1
 
     def __post_init__(self):

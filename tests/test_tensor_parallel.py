@@ -13,7 +13,7 @@ import torch
 from batchrun import LLM, SamplingParams
 from batchrun.engine import loader
 from batchrun.models.llama import LlamaForCausalLM
-from batchrun.parallel.shard import Shard, check
+from batchrun.engine.parallel.shard import Shard, check
 from conftest import random_prompts, save_tiny_model
 
 # Pools sized so that TP 1 and TP 2 (half the KV heads per rank, half the bytes per token) get the same number of
@@ -154,8 +154,8 @@ def test_sharded_loading_reads_each_rank_slices(tmp_path, monkeypatch):
 
 
 def test_bad_splits_fail_naming_the_field(tmp_path):
-    config = lambda heads, kv, vocab=256: SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv,   # noqa: E731
-                                                          vocab_size=vocab)
+    def config(heads, kv, vocab=256):
+        return SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab)
     with pytest.raises(ValueError, match="num_attention_heads"):
         check(config(6, 2), 4)
     with pytest.raises(ValueError, match="num_key_value_heads"):

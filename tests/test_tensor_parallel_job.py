@@ -10,7 +10,7 @@ import pytest
 
 from batchrun import LLM, SamplingParams
 from batchrun.job.errors import EXIT_INTERRUPTED, EXIT_OK
-from batchrun.parallel import TensorParallelError
+from batchrun.engine.parallel import TensorParallelError
 from jobkit import cli, start_submit, write_job, write_prompts
 from test_job_resume import assert_exactly_once, committed, wait_for
 
@@ -60,7 +60,7 @@ def test_rank_killed_then_resumed_exactly_once_equal_to_tp1(tmp_path, tiny_model
 
 @pytest.mark.slow   # about 10 s quiet, 25 s on a loaded 2-core machine
 def test_hung_rank_fails_the_step_at_the_timeout(tiny_model, monkeypatch):
-    from batchrun.parallel import group
+    from batchrun.engine.parallel import group
     monkeypatch.setattr(group, "TIMEOUT_S", 3.0)
     llm = LLM(model=tiny_model[0], kv_cache_memory="1MiB", block_size=4, tensor_parallel_size=2)
     rank1 = llm.engine.runner.workers[0].process
@@ -71,3 +71,11 @@ def test_hung_rank_fails_the_step_at_the_timeout(tiny_model, monkeypatch):
     with pytest.raises(TensorParallelError):   # the engine stays stopped
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
     llm.close()
+
+
+def test_ray_replica_gpus_must_hold_the_ranks(tmp_path, tiny_model):
+    from batchrun.job import Job, JobError
+    job = write_job(tmp_path, tiny_model[0], executor={"kind": "ray", "gpus_per_replica": 1},
+                    engine={"tensor_parallel_size": 2})
+    with pytest.raises(JobError, match="executor.gpus_per_replica.*tensor_parallel_size"):
+        Job.from_yaml(job)

@@ -54,7 +54,7 @@ class Engine:
         self.max_model_len = loader.max_model_len(self.hf_config, config.max_model_len)
 
         if config.tensor_parallel_size > 1:   # rank 0 of a tensor-parallel group: starts the other ranks
-            from batchrun.parallel.runner import TensorParallelRunner
+            from batchrun.engine.parallel.runner import TensorParallelRunner
             self.runner = TensorParallelRunner(config, self.model_path, self.hf_config, self.device, self.dtype,
                                                self.max_model_len)
         else:

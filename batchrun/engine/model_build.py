@@ -17,7 +17,7 @@ log = logging.getLogger("batchrun")
 
 def build_model(config: EngineConfig, model_path: str, hf_config, device: torch.device, dtype: torch.dtype,
                 max_model_len: int, shard=None):
-    """The model ready to run. `shard` (a batchrun.parallel.shard.Shard): this rank's slice of every split layer."""
+    """The model ready to run; `shard` (engine/parallel/shard.py): this rank's slice of every split layer."""
     with torch.device("meta"):
         model = model_class(hf_config.model_type)(hf_config, get_backend(config.attention_backend, device))
     if shard is not None:

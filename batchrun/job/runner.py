@@ -25,7 +25,7 @@ from batchrun.job.sink import ResultSink, job_lock, result_schema
 from batchrun.job.source import Row
 from batchrun.job.spec import JobSpec
 from batchrun.job.storage import Storage
-from batchrun.parallel import TensorParallelError
+from batchrun.engine.parallel import TensorParallelError
 
 log = logging.getLogger("batchrun.job")
 

@@ -141,6 +141,10 @@ class JobSpec:
             EngineConfig(model=self.model, **self.engine_options)
         except ValueError as exc:
             raise self._field_error("engine", exc) from exc
+        ex, tp = self.executor, self.engine.tensor_parallel_size
+        if ex.kind == "ray" and 0 < ex.gpus_per_replica < tp:
+            raise self.fail(("executor", "gpus_per_replica"), f"{ex.gpus_per_replica:g} GPUs cannot hold the "
+                                                              f"{tp} ranks of engine.tensor_parallel_size")
         self._read_schema_file()
         try:
             self.sampling_params()

@@ -195,7 +195,8 @@ class RooflineModel:
             return 0.0
         m, ring = self.model, 2 * (self.tp - 1) / self.tp
         count = 2 * m.num_layers + 1
-        moved = count * ring * s.tokens * m.hidden_size * WEIGHT_BYTES + (self.tp - 1) / self.tp * s.seqs * m.vocab_size * 4
+        hidden = count * ring * s.tokens * m.hidden_size * WEIGHT_BYTES
+        moved = hidden + (self.tp - 1) / self.tp * s.seqs * m.vocab_size * 4
         return moved / (self.gpu.allreduce_gbs * 1e9 * self.eff_interconnect) + (count + 1) * self.collective_latency_s
 
     def step_time(self, s: StepShape) -> float:

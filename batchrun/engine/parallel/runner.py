@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 from batchrun.config import EngineConfig
 from batchrun.engine.model_build import build_model
 from batchrun.engine.model_runner import ModelRunner, StepInputs
-from batchrun.parallel import TensorParallelError, group, shard, worker
+from batchrun.engine.parallel import TensorParallelError, group, shard, worker
 
 log = logging.getLogger("batchrun")
 READY_TIMEOUT_S = 600   # loading a rank's slice of a large checkpoint

@@ -8,7 +8,7 @@ from torch import nn
 
 from batchrun.models.layers import Linear
 from batchrun.models.moe import SparseMoE
-from batchrun.parallel import group
+from batchrun.engine.parallel import group
 
 
 class RowParallelLinear(Linear):

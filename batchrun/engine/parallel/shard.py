@@ -16,7 +16,7 @@ from torch import nn
 from batchrun.engine.loader import Part
 from batchrun.models.layers import GatedMLP, Linear, head_dim_of
 from batchrun.models.moe import SparseMoE
-from batchrun.parallel.layers import ParallelSparseMoE, RowParallelLinear, VocabParallelEmbedding
+from batchrun.engine.parallel.layers import ParallelSparseMoE, RowParallelLinear, VocabParallelEmbedding
 
 
 def kv_heads_per_rank(kv_heads: int, size: int) -> int:

@@ -18,8 +18,8 @@ from batchrun.config import EngineConfig
 from batchrun.engine import loader
 from batchrun.engine.model_build import build_model
 from batchrun.engine.model_runner import ModelRunner
-from batchrun.parallel import group
-from batchrun.parallel.shard import Shard
+from batchrun.engine.parallel import group
+from batchrun.engine.parallel.shard import Shard
 
 
 def cpu_threads(size: int) -> int:
