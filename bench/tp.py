@@ -42,13 +42,16 @@ def make_model(path: str) -> None:
 
 
 def run_one(path: str, tp: int, args) -> dict:
-    """One engine in this process (called in a fresh interpreter per TP size: one TP engine per process)."""
+    """One engine in this process (called in a fresh interpreter per run: one TP engine per process); --threads:
+    rank 0's torch threads (TP 1 at one rank's share of the cores: the same per-rank compute as TP 2)."""
     import torch
 
     from batchrun import LLM, SamplingParams
     from batchrun.engine.parallel import group
     llm = LLM(model=path, dtype="float32", kv_cache_memory="1GiB", max_num_batched_tokens=1024,
               tensor_parallel_size=tp)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     pids = [os.getpid()] + [w.process.pid for w in getattr(llm.engine.runner, "workers", [])]
     prompts = [[(7 * i + 13 * j) % 31990 + 5 for j in range(args.prompt_len)] for i in range(args.prompts)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
@@ -107,6 +110,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "batchrun-bench-tp-llama-0.3b"))
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)   # internal: run one TP size, print JSON
+    parser.add_argument("--threads", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         print("RESULT " + json.dumps(run_one(args.model_dir, args.one, args)))
@@ -119,17 +123,20 @@ def main() -> None:
     print(f"0.3B Llama, float32, {args.prompts} prompts x {args.prompt_len} tokens, {args.max_tokens} output "
           f"tokens each, BATCHRUN_COMPILE={env['BATCHRUN_COMPILE']}")
     results = []
-    for tp in (1, 2):
+    half = max(1, len(os.sched_getaffinity(0)) // 2)
+    for tp, threads in ((1, None), (1, half), (2, None)):
         cmd = [sys.executable, __file__, "--one", str(tp), "--model-dir", args.model_dir, "--prompts",
                str(args.prompts), "--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_tokens)]
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
+        out = subprocess.run(cmd + (["--threads", str(threads)] if threads else []), env=env, capture_output=True,
+                             text=True)
+        line = next((li for li in out.stdout.splitlines() if li.startswith("RESULT ")), None)
         if line is None:
             sys.exit(f"TP {tp} failed:\n{out.stderr[-3000:]}")
         results.append(json.loads(line[7:]))
         print(json.dumps(results[-1]))
-    one, two = results
-    print(f"TP 2 / TP 1 wall: {two['wall_s'] / one['wall_s']:.2f}x; rank 0 in collectives: "
+    one, one_half, two = results
+    print(f"TP 2 / TP 1 wall: {two['wall_s'] / one['wall_s']:.2f}x (TP 1 on all cores), "
+          f"{two['wall_s'] / one_half['wall_s']:.2f}x (TP 1 on one rank's {half} cores); rank 0 in collectives: "
           f"{two['collective_share_of_forward'] * 100:.1f}% of its forward; same first tokens: "
           f"{one['first_tokens'] == two['first_tokens']}")
     print(f"load: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
