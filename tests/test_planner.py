@@ -109,7 +109,7 @@ def test_plan_table_deadline_cost_and_recommendation():
     assert h100["gpus"] > 1 and h100["makespan_1gpu_s"] > 20.0, h100
     # 15 GiB of weights leave an L4 (24 GB at 0.9) about 5 GiB of KV: it fits, but no count of single-L4 replicas
     # meets 20 s; replicas of tensor-parallel L4s do
-    l4_alone = p.row_at(catalog.load_catalog()["L4"], "float16", 1)
+    l4_alone = p.row_at(catalog.load_catalog()["L4"], "float16", None, 1)
     assert l4_alone["kv_budget_gib"] == pytest.approx(24e9 * 0.9 / 2**30 - l4_alone["weights_gib"]
                                                       - l4_alone["activations_gib"])
     assert l4_alone["fits"] and l4_alone["kv_tokens"] >= 8192

@@ -255,7 +255,7 @@ def test_plan_recommendation_carries_an_executor_stanza(tmp_path, tiny_model):
     from batchrun.job.spec import JobSpec
     from batchrun.planner.plan import recommend
     row = {"fits": True, "meets_deadline": True, "cost_usd": 12.0, "gpus": 6, "makespan_s": 5000.0,
-           "gpu": "H100-80GB", "kv_dtype": "int8", "usd_per_million_output_tokens": 0.5}
+           "gpu": "H100-80GB", "weights": "fp16", "kv_dtype": "int8", "usd_per_million_output_tokens": 0.5}
     stanza = recommend([row], 6 * 3600)["executor"]
     assert stanza == {"kind": "ray", "address": "auto", "replicas": 6, "gpus_per_replica": 1,
                       "accelerator_type": "H100"}
