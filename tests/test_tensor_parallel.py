@@ -163,6 +163,9 @@ def test_bad_splits_fail_naming_the_field(tmp_path):
     with pytest.raises(ValueError, match="vocab_size"):
         check(config(4, 2, 255), 2)
     check(config(8, 2), 8)   # 2 KV heads, each on 4 ranks
+    with pytest.raises(ValueError, match="already fused"):   # Phi-3's checkpoint: q/k/v rows of a rank are 3 runs
+        Shard(0, 2).part("model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.self_attn.qkv_proj.weight",
+                         [192, 64])
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(model="smollm2-135m", tensor_parallel_size=0)
 

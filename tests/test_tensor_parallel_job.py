@@ -65,7 +65,7 @@ def test_hung_rank_fails_the_step_at_the_timeout(tiny_model, monkeypatch):
     llm = LLM(model=tiny_model[0], kv_cache_memory="1MiB", block_size=4, tensor_parallel_size=2)
     rank1 = llm.engine.runner.workers[0].process
     threading.Timer(0.5, os.kill, (rank1.pid, signal.SIGSTOP)).start()
-    with pytest.raises(TensorParallelError, match="no rank exited, a collective failed"):
+    with pytest.raises(TensorParallelError, match="no rank exited; the step failed on rank 0 or in a collective"):
         llm.generate([[5, 6, 7]] * 4, SamplingParams(max_tokens=2000, ignore_eos=True), use_tqdm=False)
     assert not rank1.is_alive()
     with pytest.raises(TensorParallelError):   # the engine stays stopped

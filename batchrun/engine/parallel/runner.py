@@ -117,7 +117,8 @@ class TensorParallelRunner(ModelRunner):
         for w in self.workers:
             w.process.join(1)   # a rank that just died: let its exit code arrive
         dead = [w.describe() for w in self.workers if not w.process.is_alive()]
-        what = ", ".join(dead) or f"no rank exited, a collective failed (timeout {group.TIMEOUT_S:g} s)"
+        what = ", ".join(dead) or (f"no rank exited; the step failed on rank 0 or in a collective (timeout "
+                                   f"{group.TIMEOUT_S:g} s)")
         self.error = (f"tensor parallel: {what}; the {command} step stopped "
                       f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
         log.error("%s", self.error)

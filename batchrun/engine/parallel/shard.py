@@ -93,6 +93,9 @@ class Shard:
     def part(self, name: str, source: str, shape: list[int]) -> Part | None:
         """The slice (dim, start, stop) of checkpoint tensor `source` that this rank reads into its tensor `name`;
         None: all of it (norms, routers, the biases added after an all-reduce)."""
+        if ".qkv_proj." in source or ".gate_up_proj." in source:   # a rank's rows are not one run of them
+            raise ValueError(f"tensor_parallel_size: the checkpoint stores {source} already fused (Phi-3 does); "
+                             f"splitting it is not supported: run this model with tensor_parallel_size 1")
         if ".qkv_proj." in name:
             return self._kv_rows(source, shape[0]) if ".q_proj." not in source else self._slice(0, shape, source)
         if ".gate_up_proj" in name or name in ("model.embed_tokens.weight", "lm_head.weight"):
