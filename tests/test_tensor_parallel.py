@@ -1,9 +1,10 @@
 """Tensor parallelism over 2 ranks (gloo on the CPU) against the same engine on one rank, float32 tiny models:
 greedy tokens identical and chosen-token logprobs within 1e-4, through chunked prefill, prefix caching, forced
-preemption, an int8 KV pool, n > 1 and structured outputs; every family kind the split handles (GQA, per-head q/k
-norms and soft-caps marked slow, MoE experts, KV heads replicated over ranks); sharded loading reads only a rank's slices; bad splits fail
-with the field named. The worker ranks run eager (BATCHRUN_COMPILE=0 at their start): compiling each worker's
-kernels would cost this suite seconds per engine; tests/test_whole_graph.py-style graph runs are in bench/tp.py."""
+preemption, an int8 KV pool, n > 1 and structured outputs; the family kinds the split handles (GQA, MoE experts, KV
+heads replicated over ranks; per-head q/k norms and soft-caps marked slow); sharded loading reads only a rank's
+slices; bad splits fail with the field named. The worker ranks run eager (BATCHRUN_COMPILE=0 at their start):
+compiling each worker's kernels would cost seconds per engine; bench/tp.py runs every rank's whole-model graph,
+with the all-reduce as an opaque op inside it (tokens identical to TP 1)."""
 import multiprocessing
 from types import SimpleNamespace
 
