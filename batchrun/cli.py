@@ -98,10 +98,15 @@ _RESTART = click.option("--restart", is_flag=True,
               "(default: start a local Ray on 127.0.0.1).")
 @click.option("--force", is_flag=True, help="Run on an object store where batchrun cannot take the job's lock (no "
               "conditional PUT: any scheme but s3://); make sure no other submit of the job runs.")
-def submit(job, overrides, restart, progress, serve_address, api_key, executor, replicas, address, force) -> None:
+@click.option("--tp", "tensor_parallel_size", type=POSITIVE_INT, help="Sets engine.tensor_parallel_size: split "
+              "the model over N ranks (GPUs, or CPU processes).")
+def submit(job, overrides, restart, progress, serve_address, api_key, executor, replicas, address, force,
+           tensor_parallel_size) -> None:
     from batchrun.job import Job, JobError
     flags = {"kind": executor, "replicas": replicas, "address": address}
     overrides = [*overrides, *(f"executor.{key}={value}" for key, value in flags.items() if value is not None)]
+    if tensor_parallel_size is not None:
+        overrides.append(f"engine.tensor_parallel_size={tensor_parallel_size}")
     try:
         job_ = Job.from_yaml(job, overrides)
     except JobError as exc:

@@ -69,6 +69,8 @@ class EngineConfig:
     # max_adapters of them loaded at a time (least recently used evicted).
     adapters: dict[str, str] | None = None
     max_adapters: int = 8
+    # Ranks the model is split over (Megatron tensor parallelism, a process per rank: batchrun/engine/parallel).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         self.kv_cache_bytes = None if self.kv_cache_memory is None else parse_memory(self.kv_cache_memory)
@@ -93,7 +95,7 @@ class EngineConfig:
                 isinstance(k, str) and k and isinstance(v, str) and v for k, v in self.adapters.items())):
             raise ValueError(f"adapters: must map adapter names to adapter directories, got {self.adapters!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "interactive_max_num_seqs",
-                     "max_adapters"):
+                     "max_adapters", "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
@@ -103,6 +105,10 @@ class EngineConfig:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.tensor_parallel_size > 1 and (self.adapters or self.quantization != "none"):
+            what = "LoRA adapters" if self.adapters else f"quantization {self.quantization!r}"
+            raise ValueError(f"tensor_parallel_size: {self.tensor_parallel_size} ranks with {what} is not supported "
+                             f"yet (one rank, tensor_parallel_size: 1, runs them)")
 
     @classmethod
     def field_names(cls) -> list[str]:

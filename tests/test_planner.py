@@ -107,11 +107,15 @@ def test_plan_table_deadline_cost_and_recommendation():
         assert r["cost_usd"] == pytest.approx(r["gpus"] * r["makespan_s"] / 3600 * r["price_per_hour"])
         assert r["drain_s"] <= r["makespan_1gpu_s"]
     assert h100["gpus"] > 1 and h100["makespan_1gpu_s"] > 20.0, h100
-    # 15 GiB of weights leave an L4 (24 GB at 0.9) about 5 GiB of KV: it fits, but no count of L4s meets 20 s
+    # 15 GiB of weights leave an L4 (24 GB at 0.9) about 5 GiB of KV: it fits, but no count of single-L4 replicas
+    # meets 20 s; replicas of tensor-parallel L4s do
+    l4_alone = p.row_at(catalog.load_catalog()["L4"], "float16", None, 1)
+    assert l4_alone["kv_budget_gib"] == pytest.approx(24e9 * 0.9 / 2**30 - l4_alone["weights_gib"]
+                                                      - l4_alone["activations_gib"])
+    assert l4_alone["fits"] and l4_alone["kv_tokens"] >= 8192
+    assert not l4_alone["meets_deadline"] and l4_alone["gpus"] is None and "deadline" in l4_alone["reason"]
     l4 = rows[("L4", "float16")]
-    assert l4["kv_budget_gib"] == pytest.approx(24e9 * 0.9 / 2**30 - l4["weights_gib"] - l4["activations_gib"])
-    assert l4["fits"] and l4["kv_tokens"] >= 8192
-    assert not l4["meets_deadline"] and l4["gpus"] is None and "deadline" in l4["reason"]
+    assert l4["tp"] > 1 and l4["meets_deadline"] and l4["gpus"] == l4["replicas"] * l4["tp"]
     rec = report["recommendation"]
     assert rec and (rec["gpu"], rec["kv_dtype"]) in rows and "cheapest" in rec["reason"]
     best = rows[(rec["gpu"], rec["kv_dtype"])]
@@ -120,14 +124,14 @@ def test_plan_table_deadline_cost_and_recommendation():
 
 
 def test_types_that_do_not_fit_are_reported_per_type():
-    big = ModelSpec.from_config(LLAMA3_70B)
+    big = ModelSpec.from_config(dict(LLAMA3_70B, num_hidden_layers=800))
     report = planner.Planner(big, work()).plan(catalog.select(catalog.load_catalog(), ["L4", "H200"]))
-    # 141 GB of fp16 weights: more than 90% of even an H200 (no tensor parallelism in the plan)
+    # 1.4 TB of fp16 weights: more than 90% of even 8 H200s (the most tensor parallelism the plan tries)
     assert all(not r["fits"] and "weights" in r["reason"] for r in report["rows"])
     assert report["recommendation"] is None and "none of the GPU types" in planner.format_table(report)
-    long = work(n=3, prompt=100_000, out=10)
-    report = planner.Planner(ModelSpec.from_config(dict(LLAMA3_8B, max_position_embeddings=300_000)), long).plan(
-        catalog.select(catalog.load_catalog(), ["A10G", "H200"]))
+    long = work(n=3, prompt=4_000_000, out=10)   # 264 GB of KV even in fp8: more than 8 A10Gs hold
+    report = planner.Planner(ModelSpec.from_config(dict(LLAMA3_8B, max_position_embeddings=5_000_000)), long).plan(
+        catalog.select(catalog.load_catalog(), ["A10G"]))
     a10g = [r for r in report["rows"] if r["gpu"] == "A10G"]
     assert all(not r["fits"] and "longest request" in r["reason"] for r in a10g)
     assert "does not fit" in planner.format_table(report)

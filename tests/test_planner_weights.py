@@ -33,10 +33,13 @@ def test_weight_bytes_per_format_keep_embeddings_and_lm_head_16_bit():
 
 def test_a_70b_model_fits_one_h200_only_with_quantized_weights():
     p = planner.Planner(ModelSpec.from_config(LLAMA3_70B), work())
-    report = p.plan(catalog.select(catalog.load_catalog(), ["H200"]), ("int8",), weights=("fp16", "int8", "int4"))
+    h200 = catalog.select(catalog.load_catalog(), ["H200"])
+    report = p.plan(h200, ("int8",), weights=("fp16", "int8", "int4"))
     rows = {r["weights"]: r for r in report["rows"]}
-    assert not rows["fp16"]["fits"] and "weights" in rows["fp16"]["reason"]
-    assert rows["int8"]["fits"] and rows["int4"]["fits"]
+    alone = p.row_at(h200[0], "int8", "fp16", 1)
+    assert not alone["fits"] and "weights" in alone["reason"]
+    assert rows["fp16"]["fits"] and rows["fp16"]["tp"] == 2   # fp16: tensor parallel over 2
+    assert rows["int8"]["fits"] and rows["int4"]["fits"] and rows["int8"]["tp"] == rows["int4"]["tp"] == 1
     assert rows["int4"]["kv_budget_gib"] > rows["int8"]["kv_budget_gib"] + 25      # ~32 GiB fewer weight bytes
     assert rows["int4"]["decode_step_ms"] < rows["int8"]["decode_step_ms"]          # decode reads fewer bytes
     rec = report["recommendation"]

@@ -124,6 +124,16 @@ def test_two_replicas_match_local(cluster, tmp_path, tiny_model, local_texts):
     assert "ray: 2 replicas" in open(os.path.join(result.output_dir, "job.log")).read()
 
 
+@pytest.mark.slow   # a Ray replica that starts a worker rank: about a minute here
+def test_replica_runs_tensor_parallel_ranks(cluster, tmp_path, tiny_model, local_texts):
+    """One replica whose engine splits the model over 2 ranks (2 CPU processes, gloo): the local run's output."""
+    write_input(tmp_path / "in.parquet")
+    job = write_job(tmp_path, tiny_model[0], executor={**RAY, "replicas": 1}, **SECTIONS | {
+        "engine": {**SECTIONS["engine"], "tensor_parallel_size": 2}})
+    result = Job.from_yaml(job).run(progress="log")
+    assert result.exit_code == EXIT_FAILED_ROWS and texts(result.output_dir) == local_texts
+
+
 def test_replica_killed_after_first_commit(cluster, tmp_path, tiny_model, local_texts):
     job = ray_job(tmp_path, tiny_model)
     out = str(tmp_path / "out" / "job")

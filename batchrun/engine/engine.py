@@ -11,19 +11,17 @@ from typing import Callable
 import torch
 
 from batchrun.config import EngineConfig
-from batchrun.engine import cpu_dtype, deterministic, kv_cache, kv_sizing, loader
-from batchrun.engine.backends import get_backend
+from batchrun.engine import cpu_dtype, kv_cache, kv_sizing, loader
 from batchrun.engine.block_manager import BlockManager
+from batchrun.engine.model_build import build_model
 from batchrun.engine.model_runner import ModelRunner
 from batchrun.engine.request import Request, RequestOutput
 from batchrun.engine.sampler import Sampler
 from batchrun.engine.scheduler import Lane, Scheduler, WaitingQueue, default_admission_key
 from batchrun.engine.step_stats import StepShape, StepStats
 from batchrun.engine.stop import StopRule
-from batchrun.engine.lora import AdapterSet
-from batchrun.models import cpu_gemm, graph, row_tiles
-from batchrun.models.registry import model_class
-from batchrun.quant import formats as quant_formats, load as quant_load
+from batchrun.models import cpu_gemm
+from batchrun.quant import formats as quant_formats
 from batchrun.sampling_params import SamplingParams, sample_seed
 from batchrun.structured import GrammarCompiler
 
@@ -57,38 +55,19 @@ class Engine:
         self.kv_dtype = kv_cache.storage_dtype(config.kv_cache_dtype, self.dtype)   # the batch lane's
         self.max_model_len = loader.max_model_len(self.hf_config, config.max_model_len)
 
-        with torch.device("meta"):
-            model_cls = model_class(self.hf_config.model_type)
-            self.model = model_cls(self.hf_config, get_backend(config.attention_backend, self.device,
-                                                               config.deterministic))
-        plan, build = quant_load.plan_and_build(self.model, self.quant_scheme, self.device, self.dtype)
-        self.model.load_state_dict(loader.load_weights(self.model_path, self.device, self.dtype, plan, build),
-                                   assign=True)
-        if self.quant_scheme is not None:
-            log.info("weights: %s", self.quant_scheme.description)
-        self.model.init_rope(self.max_model_len, self.device, self.dtype)
-        self.model.eval()
-        # Every adapter file is checked against the model here, before any work; each is loaded at first use.
-        self.adapters = (AdapterSet(config.adapters, self.model, self.dtype, self.device, config.max_adapters)
-                         if config.adapters else None)
-        packed = self.device.type == "cpu" and self.model.pack_for_cpu()
-        if packed:
-            log.info("linear layers: oneDNN with pre-packed weights (%s)", str(self.dtype).removeprefix("torch."))
-        if config.deterministic:
-            deterministic.tile_products(self.model, row_tiles.DEFAULT_TILE)
-            log.info("deterministic mode: products on tiles of %d rows, every attention row a decode of its own",
-                     row_tiles.DEFAULT_TILE)
-        if self.device.type == "cpu":
-            # The loader's read buffers (float32 checkpoint rows converted to the compute dtype) and the dense
-            # weights packing replaced are free but stay resident in glibc's heap until trimmed: 0.4-0.7x the weights.
-            cpu_gemm.return_freed_memory(now=True)
-        # Unpacked weights tile in Python over a step-dependent row count, which the whole-model graph cannot trace.
-        if self.device.type == "cpu" and graph.enabled() and self.model.whole_graph and (packed or
-                                                                                         not config.deterministic):
-            self.model.compile_graph()
-            log.info("forward: one torch.compile graph (compiled at the first steps; BATCHRUN_COMPILE=ops: per op)")
-
-        self.runner = ModelRunner(self.model, config.block_size, self.device, self.adapters)
+        if config.tensor_parallel_size > 1:   # rank 0 of a tensor-parallel group: starts the other ranks
+            if self.quant_scheme is not None:
+                raise ValueError(f"tensor_parallel_size: {config.tensor_parallel_size} ranks with quantized weights "
+                                 f"({self.quant_scheme.description}) is not supported yet")
+            from batchrun.engine.parallel.runner import TensorParallelRunner
+            self.runner = TensorParallelRunner(config, self.model_path, self.hf_config, self.device, self.dtype,
+                                               self.max_model_len)
+            self.adapters = None
+        else:
+            model, self.adapters = build_model(config, self.model_path, self.hf_config, self.device, self.dtype,
+                                               self.max_model_len, quant_scheme=self.quant_scheme)
+            self.runner = ModelRunner(model, config.block_size, self.device, self.adapters)
+        self.model = self.runner.model
         self.scheduler = Scheduler(self._build_lanes(admission_key), config.max_num_seqs,
                                    config.max_num_batched_tokens,
                                    StopRule(self._eos_token_ids(), self.max_model_len, self.tokenizer),
@@ -162,6 +141,11 @@ class Engine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return frozenset(ids)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker ranks and leave their process group (nothing to do on one rank)."""
+        if hasattr(self.runner, "close"):
+            self.runner.close()
 
     @property
     def block_manager(self) -> BlockManager:

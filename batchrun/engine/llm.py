@@ -150,6 +150,11 @@ class LLM:
         if self._loop_thread is not None:
             self._loop_thread.join()
 
+    def close(self) -> None:
+        """Stop the background loop and the engine's tensor-parallel worker ranks; the LLM cannot step after."""
+        self.stop_background()
+        self.engine.close()
+
     @property
     def healthy(self) -> bool:
         """False once a step of the background loop has failed (the loop has stopped)."""

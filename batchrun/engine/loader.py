@@ -111,25 +111,35 @@ def check_weights(path: str) -> None:
         raise ValueError(f"model: no *.safetensors file in {path!r} (only safetensors weights are loaded)")
 
 
+Part = tuple[int, int, int]   # (dim, start, stop): the slice of a checkpoint tensor a tensor-parallel rank reads
+
+
 def load_weights(path: str, device: torch.device, dtype: torch.dtype,
-                 plan: Callable[[list[str]], dict[str, tuple[str, ...]]],
-                 build: Callable[[str, tuple[str, ...], Callable, Callable], torch.Tensor | None] | None = None
-                 ) -> dict[str, torch.Tensor]:
+                 plan: Callable[[list[str]], dict[str, tuple[str, ...]]], *,
+                 build: Callable[[str, tuple[str, ...], Callable, Callable], torch.Tensor | None] | None = None,
+                 part: Callable[[str, str, list[int]], Part | None] | None = None) -> dict[str, torch.Tensor]:
     """The model's tensors, built one at a time from the safetensors files: `plan` maps each of the model's names
     to the checkpoint tensors concatenated into it. Only the tensor being built is held twice, so the peak stays
     near the weights' own size (not the checkpoint's plus the fused copies). `build(name, sources, read, has)`,
     where given, builds the tensors it takes (quantized layers, batchrun/quant/load.py) and returns None for the
-    others."""
+    others; `part(name, source, shape)`, where given, the slice of each source to read (tensor parallelism; None:
+    all of it)."""
     check_weights(path)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     with contextlib.ExitStack() as stack:
         readers = [SafetensorsReader(stack.enter_context(open(f, "rb"))) for f in files]
         where = {name: reader for reader in readers for name in reader.entries}
 
-        def read(source: str) -> torch.Tensor:
+        def read(source: str, slice_: Part | None = None) -> torch.Tensor:
             if source not in where:
                 raise ValueError(f"model: the checkpoint in {path!r} has no tensor {source!r}")
-            return where[source].read(source)
+            return where[source].read(source, slice_)
+
+        def read_part(name: str, source: str) -> torch.Tensor:
+            """The source tensor, or the slice of it `part` gives for the model's tensor `name`."""
+            if part is None or source not in where:
+                return read(source)
+            return read(source, part(name, source, where[source].entries[source]["shape"]))
 
         built: dict[tuple[str, ...], torch.Tensor] = {}
         weights = {}
@@ -137,7 +147,7 @@ def load_weights(path: str, device: torch.device, dtype: torch.dtype,
             if sources not in built:
                 tensor = build(name, sources, read, where.__contains__) if build else None
                 if tensor is None:
-                    parts = [read(s).to(device=device, dtype=dtype) for s in sources]
+                    parts = [read_part(name, s).to(device=device, dtype=dtype) for s in sources]
                     tensor = parts[0] if len(parts) == 1 else torch.cat(parts)
                     del parts
                 built[sources] = tensor
@@ -160,18 +170,39 @@ class SafetensorsReader:
         self.entries = {k: v for k, v in json.loads(file.read(size)).items() if k != "__metadata__"}
         self.base = 8 + size
 
-    def read(self, name: str) -> torch.Tensor:
+    # A slice along a later dimension reads whole rows of dimension 0, this many bytes at a time at most.
+    SLICE_CHUNK_BYTES = 16 * 2**20
+
+    def read(self, name: str, part: Part | None = None) -> torch.Tensor:
+        """The tensor, or only its slice `part` (dim, start, stop): along dimension 0 one contiguous read; along a
+        later one, chunks of rows whose other columns are dropped as they come (peak: the slice plus a chunk)."""
         entry = self.entries[name]
         if entry["dtype"] not in self.DTYPES:
             raise ValueError(f"model: tensor {name!r} has dtype {entry['dtype']}, which this loader does not read")
+        dtype, shape = self.DTYPES[entry["dtype"]], list(entry["shape"])
         start, end = entry["data_offsets"]
-        data = bytearray(end - start)
-        self.file.seek(self.base + start)
+        if part is None:
+            return self._read(name, start, end - start, shape, dtype)
+        dim, lo, hi = part
+        row_bytes = (end - start) // shape[0] if shape and shape[0] else 0
+        if dim == 0:
+            return self._read(name, start + lo * row_bytes, (hi - lo) * row_bytes, [hi - lo, *shape[1:]], dtype)
+        out = torch.empty([*shape[:dim], hi - lo, *shape[dim + 1:]], dtype=dtype)
+        step = max(1, self.SLICE_CHUNK_BYTES // max(row_bytes, 1))
+        for row in range(0, shape[0], step):
+            rows = min(step, shape[0] - row)
+            chunk = self._read(name, start + row * row_bytes, rows * row_bytes, [rows, *shape[1:]], dtype)
+            out[row:row + rows] = chunk.narrow(dim, lo, hi - lo)
+        return out
+
+    def _read(self, name: str, offset: int, size: int, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+        data = bytearray(size)
+        self.file.seek(self.base + offset)
         if self.file.readinto(data) != len(data):
             raise ValueError(f"model: {self.file.name} is truncated (tensor {name!r})")
         if not data:
-            return torch.empty(entry["shape"], dtype=self.DTYPES[entry["dtype"]])
-        return torch.frombuffer(data, dtype=self.DTYPES[entry["dtype"]]).reshape(entry["shape"])
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(data, dtype=dtype).reshape(shape)
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):

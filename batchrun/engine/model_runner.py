@@ -1,7 +1,7 @@
 """Owns the model and its KV pools (one per lane); turns a StepPlan into one forward and the logits to sample from."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -12,6 +12,16 @@ from batchrun.engine.scheduler import StepPlan
 from batchrun.kernels import quant
 from batchrun.engine.lora import projection as lora
 from batchrun.sampling_params import SamplingParams
+
+
+class StepInputs(NamedTuple):
+    """One forward's arguments: the step's token ids, their positions, the attention segments (one per KV pool) and
+    the rows whose logits are sampled."""
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    segments: list[Segment]
+    logits_indices: torch.Tensor
+
 
 # A decode group is split when padding it to its longest context would add more than this fraction of its
 # real tokens (and more than PAD_TOKENS): less copying, at the price of a few more, smaller matrix products.
@@ -94,9 +104,21 @@ class ModelRunner:
             return request, 0, request.num_tokens
         return request, request.num_computed_tokens, n
 
-    @torch.inference_mode()
     def run(self, plan: StepPlan, pool_of: Callable[[Request], int]) -> tuple[torch.Tensor, list[Request]]:
         """Forward the planned tokens; returns logits [S, vocab] for the S requests that sample this step."""
+        inputs, sample_reqs, row_adapters = self.prepare(plan, pool_of)
+        runs = self.adapters.runs(row_adapters) if self.adapters is not None else []
+        with lora.step(runs):
+            return self.execute(inputs), sample_reqs
+
+    @torch.inference_mode()
+    def execute(self, inputs: StepInputs) -> torch.Tensor:
+        return self.model(*inputs)
+
+    def prepare(self, plan: StepPlan, pool_of: Callable[[Request], int]
+                ) -> tuple[StepInputs, list[Request], list[str | None]]:
+        """The forward's inputs for the plan (what a tensor-parallel rank 0 sends its workers), the requests that
+        sample, in the order of the logits rows, and each token row's adapter."""
         input_ids, positions, sample_rows, sample_reqs, segments, row_adapters = [], [], [], [], [], []
         for pool in sorted({pool_of(r) for r, _ in plan.scheduled}):
             scheduled = [self._span(r, n) for r, n in plan.scheduled if pool_of(r) == pool]
@@ -120,12 +142,9 @@ class ModelRunner:
             meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=self.device),
                                      decode_groups=self._decode_groups([r for r, _, _ in decodes]), prefills=chunks)
             segments.append(Segment(seg_start, len(input_ids), pool, meta))
-        runs = self.adapters.runs(row_adapters) if self.adapters is not None else []
-        with lora.step(runs):
-            logits = self.model(torch.tensor(input_ids, device=self.device),
-                                torch.tensor(positions, device=self.device), segments,
-                                torch.tensor(sample_rows, device=self.device, dtype=torch.long))
-        return logits, sample_reqs
+        inputs = StepInputs(torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),
+                            segments, torch.tensor(sample_rows, device=self.device, dtype=torch.long))
+        return inputs, sample_reqs, row_adapters
 
 
 def _adapter(scheduled: tuple[Request, int, int]) -> str:

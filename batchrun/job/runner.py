@@ -25,6 +25,7 @@ from batchrun.job.sink import ResultSink, job_lock, result_schema
 from batchrun.job.source import Row
 from batchrun.job.spec import JobSpec
 from batchrun.job.storage import Storage
+from batchrun.engine.parallel import TensorParallelError
 
 log = logging.getLogger("batchrun.job")
 
@@ -124,7 +125,12 @@ class JobRunner:
                 feed.failed.clear()
                 if not inflight and (server is None or not server.finishing()):
                     break
-                for out in llm.step():   # also admits served requests and routes their tokens
+                try:
+                    outs = llm.step()   # also admits served requests and routes their tokens
+                except TensorParallelError as exc:   # a rank died: keep what is done, resume on the next submit
+                    self.stop_reason = str(exc)
+                    break
+                for out in outs:
                     if out.prompt_outputs is None:   # the row is done when its last sample is
                         continue
                     outs = out.prompt_outputs

@@ -143,6 +143,10 @@ class JobSpec:
         except ValueError as exc:
             raise self._field_error("engine", exc) from exc
         self.adapter_fingerprints = self._fingerprint_adapters()
+        ex, tp = self.executor, self.engine.tensor_parallel_size
+        if ex.kind == "ray" and 0 < ex.gpus_per_replica < tp:
+            raise self.fail(("executor", "gpus_per_replica"), f"{ex.gpus_per_replica:g} GPUs cannot hold the "
+                                                              f"{tp} ranks of engine.tensor_parallel_size")
         self._read_schema_file()
         try:
             self.sampling_params()

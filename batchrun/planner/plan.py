@@ -10,10 +10,12 @@ from batchrun.engine import kv_cache
 from batchrun.planner.mixed import LATENCY_KV_DTYPE, MixedPlanner, Traffic, recommend_mixed
 from batchrun.planner.workload import Workload
 from batchrun.stepmodel.catalog import GPU
-from batchrun.stepmodel.costmodel import WEIGHT_FORMATS, ModelSpec, RooflineModel
+from batchrun.stepmodel.costmodel import WEIGHT_FORMATS, ModelSpec, RooflineModel, kv_share
 from batchrun.stepmodel.simulate import Trace, make_requests, simulate, timeline
 
 KV_DTYPES = ("float16", "bfloat16", "int8", "fp8")
+TP_SIZES = (1, 2, 4, 8)   # tensor-parallel ranks per replica tried, smallest first: the GPUs of one node
+TP_MIN_SAVING = 0.10
 DEFAULT_KV_DTYPES = ("float16", "int8", "fp8")
 MAX_GPUS = 4096
 
@@ -67,26 +69,56 @@ class Planner:
             raise ValueError(f"--weights: unknown value {weights!r}; allowed: {', '.join(WEIGHT_FORMATS)}")
         return dataclasses.replace(self.model, weights=weights)
 
-    def kv_budget(self, gpu: GPU, weights: str | None = None) -> int:
-        """Bytes left for KV on one GPU: its memory at the utilisation, less weights, activations and adapters."""
-        return (int(gpu.memory_bytes * self.util) - self.with_weights(weights).weight_bytes - self.activation_bytes()
-                - self.adapter_bytes)
+    def kv_budget(self, gpu: GPU, weights: str | None = None, tp: int = 1) -> int:
+        """Bytes left for KV on one GPU: its memory at the utilisation, less its share of the weights (1/tp), the
+        activations and the adapters."""
+        return (int(gpu.memory_bytes * self.util) - self.with_weights(weights).weight_bytes // tp
+                - self.activation_bytes() - self.adapter_bytes)
 
-    def cost_model(self, gpu: GPU, kv_bytes_per_token: int, weights: str | None = None) -> RooflineModel:
-        return RooflineModel(self.with_weights(weights), gpu, kv_bytes_per_token, **self.cost_options)
+    def cost_model(self, gpu: GPU, kv_bytes_per_token: int, weights: str | None = None, tp: int = 1
+                   ) -> RooflineModel:
+        return RooflineModel(self.with_weights(weights), gpu, kv_bytes_per_token, **self.cost_options, tp=tp)
+
+    def tensor_parallel_sizes(self, gpu: GPU, dtype: str, weights: str | None = None) -> list[int]:
+        """The ranks per replica (of TP_SIZES) whose GPUs hold the weights and the longest request's KV, among
+        those the model's heads and vocabulary split over."""
+        m, w = self.model, self.work
+        sizes = []
+        for tp in TP_SIZES:
+            if m.num_heads % tp or (m.kv_heads % tp and tp % m.kv_heads) or m.vocab_size % tp:
+                continue
+            per_token = self.kv_bytes_per_token(dtype) * kv_share(m.kv_heads, tp)
+            if self.kv_budget(gpu, weights, tp) >= -(-self.longest // w.block_size) * w.block_size * per_token:
+                sizes.append(tp)
+        return sizes
 
     def row(self, gpu: GPU, dtype: str, weights: str | None = None) -> dict:
+        """One GPU type, KV dtype and weight format at the fewest ranks per replica that fit, or more where that
+        meets the deadline when fewer do not, or saves TP_MIN_SAVING of the GPU-hours (the all-reduces are priced
+        at ideal ring bandwidth: a small predicted gain is not worth the risk); at one rank where no size fits
+        (the row says why)."""
+        best = None
+        for tp in self.tensor_parallel_sizes(gpu, dtype, weights) or [1]:
+            row = self.row_at(gpu, dtype, weights, tp)
+            if best is None or (row.get("meets_deadline") and not best.get("meets_deadline")) or (
+                    row.get("meets_deadline") and row["gpu_hours"] < (1 - TP_MIN_SAVING) * best["gpu_hours"]):
+                best = row
+        return best
+
+    def row_at(self, gpu: GPU, dtype: str, weights: str | None, tp: int) -> dict:
+        """Replicas of `tp` GPUs each (tensor parallel); per-GPU figures (weights, KV budget, bytes per token)."""
         m, w = self.with_weights(weights), self.work
-        bpt = self.kv_bytes_per_token(dtype)
-        act, budget = self.activation_bytes(), self.kv_budget(gpu, m.weights)
-        row = {"gpu": gpu.name, "weights": m.weights, "kv_dtype": dtype, "kv_bytes_per_token": bpt,
-               "weights_gib": m.weight_bytes / 2**30, "activations_gib": act / 2**30,
+        bpt = int(self.kv_bytes_per_token(dtype) * kv_share(m.kv_heads, tp))
+        act, budget = self.activation_bytes(), self.kv_budget(gpu, m.weights, tp)
+        row = {"gpu": gpu.name, "weights": m.weights, "kv_dtype": dtype, "tp": tp, "kv_bytes_per_token": bpt,
+               "weights_gib": m.weight_bytes / tp / 2**30, "activations_gib": act / 2**30,
                "adapters_gib": self.adapter_bytes / 2**30, "kv_budget_gib": max(budget, 0) / 2**30,
                "price_per_hour": gpu.price_per_hour}
         if budget <= 0:
             adapters = f" + adapters {self.adapter_bytes / 2**30:.1f} GiB" if self.adapter_bytes else ""
             return row | {"fits": False, "reason": f"weights {m.weight_bytes / 2**30:.1f} GiB + activations "
-                          f"{act / 2**30:.1f} GiB{adapters} exceed {self.util:.0%} of {gpu.memory_gb:g} GB"}
+                          f"{act / 2**30:.1f} GiB{adapters} exceed {self.util:.0%} of {gpu.memory_gb:g} GB, even "
+                          f"over {TP_SIZES[-1]} GPUs"}
         blocks = budget // (bpt * w.block_size)
         tokens = blocks * w.block_size
         need = -(-self.longest // w.block_size)
@@ -95,17 +127,18 @@ class Planner:
         if blocks < need:
             return row | {"fits": False, "reason": f"the longest request ({self.longest} tokens) needs {need} "
                           f"blocks; the KV budget holds {blocks}"}
-        cost = self.cost_model(gpu, bpt, m.weights)
+        cost = self.cost_model(gpu, bpt, m.weights, tp)
         one = timeline(self.trace(blocks), cost.step_time)
         row |= {"fits": True, "decode_step_ms": cost.decode_step(min(w.max_num_seqs, row["max_concurrency_mix"]),
                                                                 int(self.mean_len)) * 1e3,
                 "prefill_step_ms": cost.prefill_step(w.max_num_batched_tokens) * 1e3,
                 "makespan_1gpu_s": one.makespan_s, "drain_s": one.drain_s, "steps": len(one.step_times),
                 "preemptions": self.trace(blocks).preemptions, "output_tokens": one.output_tokens}
-        gpus, makespan = 1, one.makespan_s
+        replicas, makespan = 1, one.makespan_s
         if self.deadline:
-            gpus, makespan = self._gpus_for_deadline(blocks, cost, one.makespan_s)
-        row |= {"gpus": gpus, "makespan_s": makespan}
+            replicas, makespan = self._gpus_for_deadline(blocks, cost, one.makespan_s)
+        gpus = replicas and replicas * tp
+        row |= {"gpus": gpus, "replicas": replicas, "makespan_s": makespan}
         if gpus is None:
             return row | {"meets_deadline": False, "reason": f"even {MAX_GPUS} GPUs (or one request alone) "
                           f"take longer than the deadline"}
@@ -175,14 +208,16 @@ def recommend(rows: list[dict], deadline: float | None, checkpoint_weights: str 
         reason += (f"; next: {other['gpus']} x {other['gpu']} {other['weights']} {other['kv_dtype']} at "
                    f"${other['cost_usd']:.4g} (+{(other['cost_usd'] / max(best['cost_usd'], 1e-12) - 1) * 100:.0f}%)")
     return {"gpu": best["gpu"], "weights": best["weights"], "kv_dtype": best["kv_dtype"], "gpus": best["gpus"],
-            "reason": reason, "executor": executor_stanza(best["gpu"], best["gpus"]),
-            "engine": engine_stanza(best["kv_dtype"], best["weights"], checkpoint_weights)}
+            "reason": reason, "tensor_parallel_size": best.get("tp", 1),
+            "executor": executor_stanza(best["gpu"], best.get("replicas", best["gpus"]), best.get("tp", 1)),
+            "engine": engine_stanza(best["kv_dtype"], best["weights"], checkpoint_weights, best.get("tp", 1))}
 
 
-def engine_stanza(kv_dtype: str, weights: str, checkpoint_weights: str) -> dict:
+def engine_stanza(kv_dtype: str, weights: str, checkpoint_weights: str, tp: int = 1) -> dict:
     """The job file's engine settings for the plan: 8-bit weights from a 16-bit checkpoint are quantized at load
-    (engine.quantization); 4-bit weights need a 4-bit (AWQ or GPTQ) checkpoint of the model."""
-    stanza = {"kv_cache_dtype": kv_dtype}
+    (engine.quantization); 4-bit weights need a 4-bit (AWQ or GPTQ) checkpoint of the model; the ranks per
+    replica where more than one."""
+    stanza = {"kv_cache_dtype": kv_dtype} | ({"tensor_parallel_size": tp} if tp > 1 else {})
     if weights != checkpoint_weights:
         if weights in ("int8", "fp8") and checkpoint_weights == "fp16":
             stanza["quantization"] = weights
@@ -195,9 +230,10 @@ def engine_stanza(kv_dtype: str, weights: str, checkpoint_weights: str) -> dict:
 _RAY_ACCELERATORS = {"H100-80GB": "H100", "H200-141GB": "H200", "A100-80GB": "A100-80G", "A100-40GB": "A100-40G"}
 
 
-def executor_stanza(gpu: str, gpus: int) -> dict:
-    """The job file's executor section that runs the plan: one Ray replica per GPU, on that GPU type."""
-    return {"kind": "ray", "address": "auto", "replicas": gpus, "gpus_per_replica": 1,
+def executor_stanza(gpu: str, replicas: int, tp: int = 1) -> dict:
+    """The job file's executor section that runs the plan: Ray replicas of `tp` GPUs each (the engine's
+    tensor_parallel_size), on that GPU type."""
+    return {"kind": "ray", "address": "auto", "replicas": replicas, "gpus_per_replica": tp,
             "accelerator_type": _RAY_ACCELERATORS.get(gpu, gpu)}
 
 
@@ -211,11 +247,12 @@ def format_table(plan: dict) -> str:
              f"head_dim {m['head_dim']}, context {m['max_context']}",
              f"job: {j['requests']} requests, {j['prompt_tokens']} prompt + {j['output_tokens']} output tokens, "
              f"mean {j['mean_request']} / longest {j['longest_request']} tokens per request",
-             "", f"{'gpu':<11}{'wts':<6}{'kv':<8}{'B/tok':>7}{'wts GiB':>8}{'KV GiB':>8}{'blocks':>9}{'conc mix':>9}"
-             f"{'conc ctx':>9}{'decode ms':>10}{'prefill ms':>11}{'1-GPU h':>9}{'drain s':>9}{'GPUs':>6}"
+             "", f"{'gpu':<11}{'wts':<6}{'kv':<8}{'TP':>3}{'B/tok':>7}{'wts GiB':>8}{'KV GiB':>8}{'blocks':>9}"
+             f"{'conc mix':>9}{'conc ctx':>9}{'decode ms':>10}{'prefill ms':>11}{'1-rep h':>9}{'drain s':>9}{'GPUs':>6}"
              f"{'h':>7}{'GPU-h':>8}{'$ job':>9}{'$/M out':>9}"]
     for r in plan["rows"]:
-        head = (f"{r['gpu']:<11}{r['weights']:<6}{r['kv_dtype']:<8}{r['kv_bytes_per_token']:>7}{r['weights_gib']:>8.2f}"
+        head = (f"{r['gpu']:<11}{r['weights']:<6}{r['kv_dtype']:<8}{r['tp']:>3}{r['kv_bytes_per_token']:>7}"
+                f"{r['weights_gib']:>8.2f}"
                 f"{r['kv_budget_gib']:>8.2f}")
         if not r["fits"]:
             lines.append(f"{head}  does not fit: {r['reason']}")

@@ -9,7 +9,8 @@ import yaml
 
 SHIPPED = os.path.join(os.path.dirname(__file__), "gpus.yaml")
 FIELDS = {"memory_gb": True, "bandwidth_gbs": True, "fp16_tflops": True, "fp8_tflops": False,
-          "price_per_hour": True, "source": True}   # field -> required
+          "price_per_hour": True, "source": True, "interconnect_gbs": False}   # field -> required
+PCIE_GBS = 25.0   # what a GPU without a listed interconnect gets per direction in an all-reduce (PCIe 4.0 x16)
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,11 @@ class GPU:
     fp8_tflops: float | None
     price_per_hour: float
     source: str
+    interconnect_gbs: float | None = None   # GPU-to-GPU bandwidth per direction (NVLink); None: PCIe
+
+    @property
+    def allreduce_gbs(self) -> float:
+        return self.interconnect_gbs or PCIE_GBS
 
     @property
     def memory_bytes(self) -> int:

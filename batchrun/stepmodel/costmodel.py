@@ -147,27 +147,51 @@ def _moe_fields(get) -> dict:
                 moe_layers=moe_layers)
 
 
+def kv_share(kv_heads: int, tp: int) -> float:
+    """The fraction of a token's KV one of `tp` ranks holds: its KV heads (one, replicated, when tp > kv_heads)."""
+    return max(1, kv_heads // tp) / kv_heads
+
+
 @dataclass
 class RooflineModel:
+    """One step of one replica. Under tensor parallelism (tp ranks) each GPU reads 1/tp of the weights and its KV
+    heads' share of the KV, does 1/tp of the FLOPs, and the ranks then wait for the all-reduces (not overlapped,
+    as in vLLM's default path)."""
     model: ModelSpec
     gpu: GPU
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int      # the whole model's (every KV head)
     eff_bandwidth: float = 0.8
     eff_compute: float = 0.6
     overhead_s: float = 0.0015   # scheduler, launches, sampling: per step
+    tp: int = 1
+    eff_interconnect: float = 0.7
+    collective_latency_s: float = 8e-6   # per all-reduce: launch and ring hops (NCCL, one node)
 
     def parts(self, s: StepShape) -> tuple[float, float]:
-        """(memory seconds, compute seconds) of one step."""
+        """(memory seconds, compute seconds) of one step, on one GPU of the replica."""
         m = self.model
-        read = m.weight_bytes_read(s.tokens) + (s.kv_bytes or s.kv_tokens * self.kv_bytes_per_token)
+        kv = (s.kv_bytes or s.kv_tokens * self.kv_bytes_per_token) * kv_share(m.kv_heads, self.tp)
+        read = m.weight_bytes_read(s.tokens) / self.tp + kv
         matmul = 2 * (m.active_params - m.vocab_size * m.hidden_size * (1 if m.tied_embeddings else 2)) * s.tokens
         lm_head = 2 * m.vocab_size * m.hidden_size * s.seqs
         attention = 4 * m.num_layers * m.num_heads * m.head_dim * s.attn_pairs
         return (read / (self.gpu.bandwidth_gbs * 1e9 * self.eff_bandwidth),
-                (matmul + lm_head + attention) / (self.gpu.fp16_tflops * 1e12 * self.eff_compute))
+                (matmul + lm_head + attention) / self.tp / (self.gpu.fp16_tflops * 1e12 * self.eff_compute))
+
+    def allreduce_time(self, s: StepShape) -> float:
+        """Two all-reduces per layer (after o_proj and down_proj) and one after the embedding, of every token's
+        hidden state (16-bit), by ring (each GPU sends and receives 2 (tp - 1) / tp of the bytes), plus the gather
+        of the sampled rows' float32 logits on rank 0."""
+        if self.tp == 1:
+            return 0.0
+        m, ring = self.model, 2 * (self.tp - 1) / self.tp
+        count = 2 * m.num_layers + 1
+        hidden = count * ring * s.tokens * m.hidden_size * WEIGHT_BYTES
+        moved = hidden + (self.tp - 1) / self.tp * s.seqs * m.vocab_size * 4
+        return moved / (self.gpu.allreduce_gbs * 1e9 * self.eff_interconnect) + (count + 1) * self.collective_latency_s
 
     def step_time(self, s: StepShape) -> float:
-        return self.overhead_s + max(self.parts(s))
+        return self.overhead_s + max(self.parts(s)) + self.allreduce_time(s)
 
     def decode_step(self, batch: int, context: int) -> float:
         return self.step_time(StepShape(batch, batch, batch * context, batch * context))
