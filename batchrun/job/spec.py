@@ -173,10 +173,12 @@ class JobSpec:
 
     def _fingerprint_adapters(self) -> dict[str, str]:
         """engine.adapters' files, each checked as a PEFT LoRA adapter: name -> content hash."""
+        adapters = self.engine_options.get("adapters") or {}
+        if not adapters:   # the reader imports torch, which `batchrun status` must not
+            return {}
         from batchrun.engine.lora.adapter_file import AdapterFile
         try:
-            return {name: AdapterFile(name, path).fingerprint
-                    for name, path in (self.engine_options.get("adapters") or {}).items()}
+            return {name: AdapterFile(name, path).fingerprint for name, path in adapters.items()}
         except ValueError as exc:
             raise self.fail(("engine", "adapters"), str(exc)) from None
 

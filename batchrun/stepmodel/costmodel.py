@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchrun.engine.step_stats import StepShape
-from batchrun.quant.formats import checkpoint_scheme
 from batchrun.stepmodel.catalog import GPU
 
 WEIGHT_BYTES = 2   # fp16/bf16 weights on a GPU
@@ -125,6 +124,7 @@ def checkpoint_weights(quantization_config, name: str = "model") -> str:
     (quant.formats); fp16 without one. A format the engine does not run is named, with how to plan it anyway."""
     if not quantization_config:
         return "fp16"
+    from batchrun.quant.formats import checkpoint_scheme   # imports torch: only for a quantized checkpoint
     qc = quantization_config if isinstance(quantization_config, dict) else quantization_config.to_dict()
     try:
         return checkpoint_scheme(qc).weights
