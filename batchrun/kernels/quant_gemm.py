@@ -71,7 +71,8 @@ def int8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: tor
     """x [M, K] float16/bfloat16/float32 @ (w [N, K] int8 * scale [N])^T (+ bias [N]) -> [M, N] in x.dtype."""
     _check(x, w, w.shape[1], torch.int8, "w")
     if scale.shape != (w.shape[0],):
-        raise ValueError(f"int8_linear: scale must be [{w.shape[0]}] (one per output channel), got {tuple(scale.shape)}")
+        raise ValueError(f"int8_linear: scale must be [{w.shape[0]}] (one per output channel), "
+                         f"got {tuple(scale.shape)}")
     x, out, bias_arg, grid, block_m = _launch_args(x, w.shape[0], bias)
     if x.shape[0]:
         _int8_kernel[grid](x, w, scale.float().contiguous(), bias_arg, out, x.shape[0], w.shape[0], x.shape[1],
