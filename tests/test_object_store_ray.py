@@ -17,11 +17,9 @@ from batchrun.job.errors import EXIT_OK, JobError
 from batchrun.job.object_shards import ObjectShardStore
 from batchrun.job.storage import Storage
 from jobkit import WORDS, write_job
+from raykit import ENGINE_ENV, local_cluster
 from s3kit import BUCKET, env_for
 
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-ray = pytest.importorskip("ray")
-ENGINE_ENV = {"BATCHRUN_COMPILE": "0", "BATCHRUN_CPU_KERNELS": "0"}
 ROWS = 300
 SECTIONS = {"sampling": {"max_tokens": 4, "temperature": 0}, "engine": {"max_num_seqs": 16}}
 RAY = {"kind": "ray", "replicas": 2, "batch_size": 16, "max_batches_in_flight": 2}
@@ -30,21 +28,7 @@ RAY = {"kind": "ray", "replicas": 2, "batch_size": 16, "max_batches_in_flight": 
 @pytest.fixture(scope="module")
 def s3_cluster(s3_server):
     """A head and two worker nodes whose processes (and so the replicas) have the server's credentials."""
-    from ray.cluster_utils import Cluster
-    node = dict(num_cpus=1, object_store_memory=80 << 20)
-    saved = dict(os.environ)
-    os.environ.update({**env_for(s3_server.endpoint), **ENGINE_ENV})
-    try:
-        c = Cluster(initialize_head=True, head_node_args=dict(**node, include_dashboard=False))
-        workers = [c.add_node(**node) for _ in range(2)]
-        c.wait_for_nodes()
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    ray.init(address=c.address, logging_level="WARNING")
-    yield c, workers
-    ray.shutdown()
-    c.shutdown()
+    yield from local_cluster({**env_for(s3_server.endpoint), **ENGINE_ENV})
 
 
 def prompts_table() -> pa.Table:

@@ -20,13 +20,7 @@ from batchrun.cli import main
 from batchrun.job.errors import EXIT_FAILED_ROWS, EXIT_INVALID, JobError
 from batchrun.job.sink import ShardStore
 from jobkit import WORDS, cli, write_job
-
-# before ray is imported: every Ray listener on 127.0.0.1 (also for the drivers started as subprocesses)
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-ray = pytest.importorskip("ray")
-# the replicas (through the cluster's processes) and the local reference: eager torch, no compile or kernel build at
-# start-up, so a replica starts in seconds; both run the same math
-ENGINE_ENV = {"BATCHRUN_COMPILE": "0", "BATCHRUN_CPU_KERNELS": "0"}
+from raykit import ENGINE_ENV, local_cluster
 
 ROWS = 1000
 BAD_ROW = 7   # a null prompt: fails alone, on either executor
@@ -36,21 +30,7 @@ SECTIONS = {"sampling": {"max_tokens": 4, "temperature": 0}, "engine": {"max_num
 
 @pytest.fixture(scope="module")
 def cluster():
-    from ray.cluster_utils import Cluster
-    node = dict(num_cpus=1, object_store_memory=80 << 20)
-    saved = dict(os.environ)
-    os.environ.update(ENGINE_ENV)   # inherited by the nodes' processes, and so by the replicas
-    try:
-        c = Cluster(initialize_head=True, head_node_args=dict(**node, include_dashboard=False))
-        workers = [c.add_node(**node) for _ in range(2)]
-        c.wait_for_nodes()
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    ray.init(address=c.address, logging_level="WARNING")
-    yield c, workers
-    ray.shutdown()
-    c.shutdown()
+    yield from local_cluster(ENGINE_ENV)
 
 
 def write_input(path) -> list[str]:
