@@ -66,15 +66,23 @@ def _place(source, path: str, position: int) -> str:
     return f"{os.path.basename(path)} {unit} {position}"
 
 
-def output_dir(spec: JobSpec) -> Storage:
-    """The output directory, created and proven writable; on a URI: credentials found, the bucket there, and a probe
-    object written and deleted."""
+def checked_output_storage(spec: JobSpec) -> Storage:
+    """The job's output Storage; on a URI proven writable first (credentials found, the bucket there, and a probe
+    object written and deleted)."""
     out = spec.output_storage()
     if not out.local:
         try:
             out.check_writable()
         except StorageError as exc:
             raise spec.fail(("output", "path"), str(exc)) from None
+    return out
+
+
+def output_dir(spec: JobSpec) -> Storage:
+    """The output directory, created and proven writable; on a URI: credentials found, the bucket there, and a probe
+    object written and deleted."""
+    out = checked_output_storage(spec)
+    if not out.local:
         return out
     path = out.root
     probe = os.path.join(path, f".write-test-{os.getpid()}")

@@ -6,7 +6,6 @@ import os
 from batchrun.job import preflight, prepare
 from batchrun.job.report import counts, read_state
 from batchrun.job.spec import JobSpec
-from batchrun.job.storage import StorageError
 
 
 def _percentile(sorted_values: list[int], q: float) -> int:
@@ -16,12 +15,8 @@ def _percentile(sorted_values: list[int], q: float) -> int:
 def _writable(spec: JobSpec) -> str:
     """The output directory, or its nearest existing parent, must be writable (nothing is created; on a URI a probe
     object is written and deleted)."""
-    out = spec.output_storage()
+    out = prepare.checked_output_storage(spec)
     if not out.local:
-        try:
-            out.check_writable()
-        except StorageError as exc:
-            raise spec.fail(("output", "path"), str(exc)) from None
         return out.root
     path = spec.resolve(spec.output.path)
     probe = path
