@@ -5,7 +5,6 @@ import dataclasses
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -28,18 +27,6 @@ from batchrun.structured import GrammarCompiler
 log = logging.getLogger("batchrun")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class LaneSpec:
-    """A lane as configured, before its pool is sized."""
-    name: str
-    kv_bytes: int                # its share of the KV budget
-    kv_dtype: str                # as configured ("auto": the compute dtype's)
-    max_num_seqs: int
-    token_cap: int               # tokens it may compute in one step
-    budget_field: str            # the option that sets its budget, for error messages
-    yield_cap: int | None = None  # its token cap while a higher lane has requests
 
 
 class Engine:
@@ -90,14 +77,7 @@ class Engine:
                      config.max_adapters, self.adapters.reserved_bytes / 2**20)
             if field == "gpu_memory_utilization":   # the profiled peak held no adapter yet
                 budget = max(0, budget - self.adapters.reserved_bytes)
-        batch_bytes, interactive_bytes = kv_sizing.split_interactive(config, budget)
-        specs = [LaneSpec("batch", batch_bytes, config.kv_cache_dtype, config.max_num_seqs,
-                          config.max_num_batched_tokens, field, yield_cap=config.batch_tokens_while_interactive)]
-        if config.interactive_lane:
-            specs.insert(0, LaneSpec("interactive", interactive_bytes, config.interactive_kv_cache_dtype,
-                                     config.interactive_max_num_seqs,
-                                     max(1, int(config.max_num_batched_tokens * config.interactive_token_share)),
-                                     "interactive_kv_memory"))
+        specs = kv_sizing.lane_specs(config, budget, field)
         # LongRoPE keys depend on the sequence's length, not only on its tokens: a cached prefix is not reusable.
         prefix_caching = config.enable_prefix_caching and self.model.long_rope_after is None
         if prefix_caching != config.enable_prefix_caching:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -45,6 +46,32 @@ def split_interactive(config: EngineConfig, budget: int) -> tuple[int, int]:
         raise ValueError(f"interactive_kv_memory: {interactive / 2**20:.1f} MiB leaves nothing of the "
                          f"{budget / 2**20:.1f} MiB KV budget to the batch lane")
     return budget - interactive, interactive
+
+
+@dataclass(frozen=True)
+class LaneSpec:
+    """A lane as configured, before its pool is sized."""
+    name: str
+    kv_bytes: int                # its share of the KV budget
+    kv_dtype: str                # as configured ("auto": the compute dtype's)
+    max_num_seqs: int
+    token_cap: int               # tokens it may compute in one step
+    budget_field: str            # the option that sets its budget, for error messages
+    yield_cap: int | None = None  # its token cap while a higher lane has requests
+
+
+def lane_specs(config: EngineConfig, budget: int, field: str) -> list[LaneSpec]:
+    """The engine's lanes, highest first: the interactive lane where enabled, then the batch lane; `budget` (set by
+    the config's `field`) split between them."""
+    batch_bytes, interactive_bytes = split_interactive(config, budget)
+    specs = [LaneSpec("batch", batch_bytes, config.kv_cache_dtype, config.max_num_seqs,
+                      config.max_num_batched_tokens, field, yield_cap=config.batch_tokens_while_interactive)]
+    if config.interactive_lane:
+        specs.insert(0, LaneSpec("interactive", interactive_bytes, config.interactive_kv_cache_dtype,
+                                 config.interactive_max_num_seqs,
+                                 max(1, int(config.max_num_batched_tokens * config.interactive_token_share)),
+                                 "interactive_kv_memory"))
+    return specs
 
 
 def blocks_for(budget: int, bytes_per_token: int, block_size: int, max_model_len: int, field: str,
