@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -23,14 +24,22 @@ using batchrun::padded;
 
 // DIM > 0 fixes head_dim at compile time (unrolled inner loops, accumulators in registers); 0 reads it at run
 // time. T: the cache's element type, Q: the query's and output's.
+//
+// One pass over each request's blocks with an online softmax (running max and sum per query head, the output
+// accumulator rescaled when the max grows), so K and V of a block are read together, once. Positions go kLanes at
+// a time: a query head's kLanes dot products stay vectors until one tree of deinterleaves (sum_each) turns them
+// into one vector of scores, where a horizontal sum per position cost a reduction each. A task is a request with
+// all its KV heads (its blocks are then read as contiguous runs) or, when there are too few requests for the
+// threads, one (request, KV head).
 template <typename T, typename Q, int DIM>
 void decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                       const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale,
                       const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale,
                       int64_t window, double softcap, torch::Tensor& out) {
+  using batchrun::Vec;
   const int64_t batch = query.size(0), heads = query.size(1), dim = DIM > 0 ? DIM : query.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2), group = heads / kv_heads;
-  const int64_t width = block_tables.size(1), pdim = DIM > 0 ? padded(DIM) : padded(dim);
+  const int64_t width = block_tables.size(1), pdim = DIM > 0 ? padded(DIM) : padded(dim), chunks = pdim / kLanes;
   const Q* q_ptr = query.data_ptr<Q>();
   const T* k_ptr = k_cache.data_ptr<T>();
   const T* v_ptr = v_cache.data_ptr<T>();
@@ -40,84 +49,153 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache, 
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   Q* out_ptr = out.data_ptr<Q>();
   const int64_t token_stride = kv_heads * dim;          // elements between consecutive tokens in a block
-  const int64_t block_stride = block_size * token_stride;
   const float cap = static_cast<float>(softcap);
-  // float32 rows whose length is whole vectors are read in place; others are converted, a block at a time, into
-  // a float32 buffer that every query head of the group then reads.
+  const Vec neg_inf(-std::numeric_limits<float>::infinity());
+  // float32 rows whose length is whole vectors are read in place; others are converted, kLanes rows at a time,
+  // into a float32 buffer that every query head of the group then reads.
   constexpr bool kInPlace = std::is_same_v<T, float> && DIM > 0 && DIM % kLanes == 0;
-  constexpr int64_t kChunks = DIM > 0 ? (DIM + kLanes - 1) / kLanes : 0;
+  constexpr int64_t kChunks = DIM > 0 ? (DIM + kLanes - 1) / kLanes : 1;
+  // bfloat16 queries and cache on a CPU with AVX512-BF16: scores straight from the 16-bit rows (bf16_dots)
+  constexpr bool kDots = batchrun::kBf16Dots && std::is_same_v<T, at::BFloat16> && std::is_same_v<Q, at::BFloat16> &&
+                         DIM > 0 && DIM % 32 == 0;
+  const Vec score_scale(kDots ? static_cast<float>(scale) : 1.f);   // otherwise folded into the float query
+  const bool whole_requests = batch >= 2 * at::get_num_threads();
+  const int64_t split = whole_requests ? 1 : kv_heads, task_heads = kv_heads / split;
 
-  // One task per (request, KV head): its `group` query heads share every K/V row read (and converted).
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, rows_buf(block_size * pdim), acc(group * pdim), qs(group * pdim);
+  at::parallel_for(0, batch * split, 1, [&](int64_t begin, int64_t end) {
+    const int64_t qheads = task_heads * group;
+    std::vector<float> qs(qheads * pdim), acc(qheads * pdim), top(qheads), total(qheads);
+    std::vector<float> k_rows(kLanes * pdim, 0.f), v_rows(kLanes * pdim, 0.f), probs(group * kLanes), ordered(pdim);
+    float k_scales[kLanes], v_scales[kLanes];
+    Vec part[kLanes];
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+    __m512i v_pairs[kLanes / 2 * (DIM > 0 ? (DIM + 15) / 16 : 1)];
+#else
+    void* v_pairs = nullptr;
+#endif
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / kv_heads, h = task % kv_heads, end_pos = lens[b];
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, end_pos - window) : 0, len = end_pos - lo;
-      for (int64_t g = 0; g < group; ++g) {   // the query once to float32, scale folded in
-        batchrun::row_to_float(q_ptr + (b * heads + h * group + g) * dim, qs.data() + g * pdim, dim,
-                               static_cast<float>(scale));
-      }
-      scores.resize(group * len);
-      // Calls visit(i, rows, ld, scales, n) for each run of n consecutive positions lo + i.. within one block:
-      // rows[r * ld] is position lo + i + r as float32 (in place or converted), scales[r] its 8-bit scale or null.
-      auto for_each_run = [&](const T* cache, const float* scale_ptr, auto visit) {
-        for (int64_t first = lo; first < end_pos; first = (first / block_size + 1) * block_size) {
-          const int64_t slot = tables[b * width + first / block_size] * block_size + first % block_size;
-          const int64_t n = std::min(end_pos, (first / block_size + 1) * block_size) - first;
-          const T* src = cache + slot * token_stride + h * dim;
-          const float* scales = scale_ptr ? scale_ptr + slot * kv_heads + h : nullptr;
-          if constexpr (kInPlace) {
-            visit(first - lo, src, token_stride, scales, n);
-          } else {
-            for (int64_t r = 0; r < n; ++r) {
-              batchrun::row_to_float(src + r * token_stride, rows_buf.data() + r * pdim, dim);
-            }
-            visit(first - lo, rows_buf.data(), pdim, scales, n);
-          }
-        }
-      };
-      for_each_run(k_ptr, ks_ptr, [&](int64_t i, const float* rows, int64_t ld, const float* scales, int64_t n) {
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qs.data() + g * pdim;
-          float* s = scores.data() + g * len + i;
-          for (int64_t r = 0; r < n; ++r) {
-            // 8-bit: the row's scale multiplies the dot product, not each code
-            const float score = batchrun::dot(qg, rows + r * ld, pdim) * (scales ? scales[r * kv_heads] : 1.f);
-            s[r] = softcap > 0 ? cap * std::tanh(score / cap) : score;
-          }
-        }
-      });
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * len;
-        const float inv = 1.f / batchrun::exp_and_sum(s, len, batchrun::max_of(s, len));
-        for (int64_t pos = 0; pos < len; ++pos) s[pos] *= inv;
+      const int64_t b = task / split, h_lo = (task % split) * task_heads, end_pos = lens[b];
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, end_pos - window) : 0;
+      const Q* q_row = q_ptr + (b * heads + h_lo * group) * dim;
+      for (int64_t g = 0; g < qheads; ++g) {   // the query once to float32, scale folded in
+        batchrun::row_to_float(q_row + g * dim, qs.data() + g * pdim, dim, static_cast<float>(scale));
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_run(v_ptr, vs_ptr, [&](int64_t i, const float* rows, int64_t ld, const float* scales, int64_t n) {
-        for (int64_t g = 0; g < group; ++g) {
-          const float* p = scores.data() + g * len + i;
-          float* a = acc.data() + g * pdim;
-          if constexpr (DIM > 0) {   // the head's accumulator stays in registers over the run
-            batchrun::Vec reg[kChunks];
-            for (int64_t c = 0; c < kChunks; ++c) reg[c] = batchrun::Vec::loadu(a + c * kLanes);
-            for (int64_t r = 0; r < n; ++r) {
-              const batchrun::Vec pv(p[r] * (scales ? scales[r * kv_heads] : 1.f));
-              for (int64_t c = 0; c < kChunks; ++c) {
-                reg[c] = at::vec::fmadd(pv, batchrun::Vec::loadu(rows + r * ld + c * kLanes), reg[c]);
+      std::fill(top.begin(), top.end(), -std::numeric_limits<float>::infinity());
+      std::fill(total.begin(), total.end(), 0.f);
+      const int64_t* table = tables + b * width;
+      for (int64_t first = lo; first < end_pos;) {
+        const int64_t block_end = std::min(end_pos, (first / block_size + 1) * block_size);
+        const int64_t slot0 = table[first / block_size] * block_size + first % block_size;
+        for (int64_t i0 = 0; i0 < block_end - first; i0 += kLanes) {   // kLanes positions at a time
+          const int64_t n = std::min(kLanes, block_end - first - i0), slot = slot0 + i0;
+          for (int64_t h = h_lo; h < h_lo + task_heads; ++h) {
+            const T* k_src = k_ptr + slot * token_stride + h * dim;
+            const T* v_src = v_ptr + slot * token_stride + h * dim;
+            const float* k_f = nullptr;
+            int64_t k_ld = 0;
+            if constexpr (kInPlace) {
+              k_f = reinterpret_cast<const float*>(k_src), k_ld = token_stride;
+            } else if constexpr (!kDots) {
+              for (int64_t r = 0; r < n; ++r) {
+                batchrun::row_to_float(k_src + r * token_stride, k_rows.data() + r * pdim, dim);
+              }
+              k_f = k_rows.data(), k_ld = pdim;
+            }
+            if (ks_ptr != nullptr) {   // 8-bit: the row's scale multiplies the dot product, not each code
+              for (int64_t r = 0; r < n; ++r) {
+                k_scales[r] = ks_ptr[(slot + r) * kv_heads + h], v_scales[r] = vs_ptr[(slot + r) * kv_heads + h];
               }
             }
-            for (int64_t c = 0; c < kChunks; ++c) reg[c].store(a + c * kLanes);
-          } else {
-            for (int64_t r = 0; r < n; ++r) {
-              batchrun::axpy(p[r] * (scales ? scales[r * kv_heads] : 1.f), rows + r * ld, a, pdim);
+            for (int64_t g = 0; g < group; ++g) {
+              const int64_t qh = (h - h_lo) * group + g;
+              const float* qg = qs.data() + qh * pdim;
+              if constexpr (kDots) {
+                batchrun::bf16_dots<DIM>(reinterpret_cast<const at::BFloat16*>(q_row) + qh * dim,
+                                         reinterpret_cast<const at::BFloat16*>(k_src), token_stride, n, part);
+              } else if constexpr (DIM > 0) {   // the query head in registers, every loop unrolled
+                Vec qv[kChunks];
+                for (int64_t c = 0; c < kChunks; ++c) qv[c] = Vec::loadu(qg + c * kLanes);
+                for (int64_t r = 0; r < kLanes; ++r) {
+                  Vec sum(0.f);
+                  if (r < n) {
+                    for (int64_t c = 0; c < kChunks; ++c) {
+                      sum = at::vec::fmadd(qv[c], Vec::loadu(k_f + r * k_ld + c * kLanes), sum);
+                    }
+                  }
+                  part[r] = sum;
+                }
+              } else {
+                for (int64_t r = 0; r < kLanes; ++r) {
+                  Vec sum(0.f);
+                  for (int64_t c = 0; r < n && c < chunks; ++c) {
+                    sum = at::vec::fmadd(Vec::loadu(qg + c * kLanes), Vec::loadu(k_f + r * k_ld + c * kLanes), sum);
+                  }
+                  part[r] = sum;
+                }
+              }
+              Vec s = batchrun::sum_each(part) * score_scale;
+              if (ks_ptr != nullptr) s = s * Vec::loadu(k_scales, n);
+              if (softcap > 0) s = Vec(cap) * (s / Vec(cap)).tanh();
+              if (n < kLanes) s = Vec::set(neg_inf, s, n);
+              const float new_top = std::max(top[qh], s.reduce_max());
+              const Vec p = (s - Vec(new_top)).exp();
+              const float rescale = std::exp(top[qh] - new_top);   // 0 on the first positions (top = -inf)
+              top[qh] = new_top;
+              total[qh] = total[qh] * rescale + p.reduce_add();
+              (vs_ptr != nullptr ? p * Vec::loadu(v_scales, n) : p).store(probs.data() + g * kLanes);
+              float* a = acc.data() + qh * pdim;
+              for (int64_t c = 0; c < chunks; ++c) (Vec::loadu(a + c * kLanes) * Vec(rescale)).store(a + c * kLanes);
+            }
+            if constexpr (kDots) {   // pairs of positions times bfloat16 probabilities, on the dot instruction
+              batchrun::bf16_pair_rows<DIM>(reinterpret_cast<const at::BFloat16*>(v_src), token_stride, n, v_pairs);
+              for (int64_t g = 0; g < group; ++g) {
+                batchrun::bf16_accumulate<DIM>(Vec::loadu(probs.data() + g * kLanes), v_pairs,
+                                               acc.data() + ((h - h_lo) * group + g) * pdim);
+              }
+              continue;
+            }
+            const float* v_f;
+            int64_t v_ld;
+            if constexpr (kInPlace) {
+              v_f = reinterpret_cast<const float*>(v_src), v_ld = token_stride;
+            } else {
+              for (int64_t r = 0; r < n; ++r) {
+                batchrun::row_to_float(v_src + r * token_stride, v_rows.data() + r * pdim, dim);
+              }
+              v_f = v_rows.data(), v_ld = pdim;
+            }
+            for (int64_t g = 0; g < group; ++g) {
+              const float* p = probs.data() + g * kLanes;
+              float* a = acc.data() + ((h - h_lo) * group + g) * pdim;
+              if constexpr (DIM > 0) {   // the head's accumulator stays in registers over the positions
+                Vec reg[kChunks];
+                for (int64_t c = 0; c < kChunks; ++c) reg[c] = Vec::loadu(a + c * kLanes);
+                for (int64_t r = 0; r < n; ++r) {
+                  const Vec pv(p[r]);
+                  for (int64_t c = 0; c < kChunks; ++c) {
+                    reg[c] = at::vec::fmadd(pv, Vec::loadu(v_f + r * v_ld + c * kLanes), reg[c]);
+                  }
+                }
+                for (int64_t c = 0; c < kChunks; ++c) reg[c].store(a + c * kLanes);
+              } else {
+                for (int64_t r = 0; r < n; ++r) batchrun::axpy(p[r], v_f + r * v_ld, a, pdim);
+              }
             }
           }
         }
-      });
-      for (int64_t g = 0; g < group; ++g) {
-        Q* o = out_ptr + (b * heads + h * group + g) * dim;
+        first = block_end;
+      }
+      for (int64_t qh = 0; qh < qheads; ++qh) {
+        Q* o = out_ptr + (b * heads + h_lo * group + qh) * dim;
+        const float* a = acc.data() + qh * pdim;
+        const float inv = 1.f / total[qh];
+        if constexpr (kDots) {   // back from bf16_accumulate's element order
+          for (int64_t i = 0; i < dim; ++i) ordered[batchrun::bf16_slot(i)] = a[i];
+          a = ordered.data();
+        }
         for (int64_t d = 0; d < dim; d += kLanes) {
-          batchrun::store_float(batchrun::Vec::loadu(acc.data() + g * pdim + d), o + d, std::min(kLanes, dim - d));
+          batchrun::store_float(Vec::loadu(a + d) * Vec(inv), o + d, std::min(kLanes, dim - d));
         }
       }
     }

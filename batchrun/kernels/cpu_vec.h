@@ -49,15 +49,9 @@ inline int64_t padded(int64_t dim) { return (dim + kLanes - 1) / kLanes * kLanes
 template <typename T>
 inline void row_to_float(const T* src, float* dst, int64_t dim, float scale = 1.f) {
   for (int64_t d = 0; d < dim; d += kLanes) {
-    (load_float(src + d, std::min(kLanes, dim - d)) * Vec(scale)).store(dst + d);
+    const Vec row = load_float(src + d, std::min(kLanes, dim - d));
+    (scale == 1.f ? row : row * Vec(scale)).store(dst + d);
   }
-}
-
-// Dot product of two float rows padded to a whole number of lanes (dim = padded length).
-inline float dot(const float* a, const float* b, int64_t dim) {
-  Vec acc(0.f);
-  for (int64_t d = 0; d < dim; d += kLanes) acc = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc);
-  return acc.reduce_add();
 }
 
 // acc += p * row over a padded float row.
@@ -68,27 +62,84 @@ inline void axpy(float p, const float* row, float* acc, int64_t dim) {
   }
 }
 
-// s[0:n] = exp(s - top), returns the sum.
-inline float exp_and_sum(float* s, int64_t n, float top) {
-  Vec total(0.f);
-  const Vec tv(top);
-  for (int64_t i = 0; i < n; i += kLanes) {
-    const int64_t m = std::min(kLanes, n - i);
-    Vec e = (Vec::loadu(s + i, m) - tv).exp();
-    if (m < kLanes) e = Vec::set(Vec(0.f), e, m);   // lanes past n are not part of the sum
-    e.store(s + i, m);
-    total = total + e;
+// Lane r of the result: the sum of all lanes of part[r], for r < kLanes (part is overwritten). A tree of
+// deinterleaves (log2(kLanes) levels, kLanes - 1 in all) where a horizontal sum per vector would take one
+// reduction each.
+inline Vec sum_each(Vec* part) {
+  for (int64_t n = kLanes; n > 1; n /= 2) {
+    for (int64_t i = 0; i < n / 2; ++i) {
+      const auto halves = at::vec::deinterleave2(part[2 * i], part[2 * i + 1]);
+      part[i] = halves.first + halves.second;
+    }
   }
-  return total.reduce_add();
+  return part[0];
 }
 
-inline float max_of(const float* s, int64_t n) {
-  Vec top(s[0]);   // n >= 1; partial loads below repeat s[0] in the unused lanes
-  for (int64_t i = 0; i < n; i += kLanes) {
-    const int64_t m = std::min(kLanes, n - i);
-    top = at::vec::maximum(top, m == kLanes ? Vec::loadu(s + i) : Vec::set(Vec(s[0]), Vec::loadu(s + i, m), m));
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+constexpr bool kBf16Dots = true;
+// part[r] for r < n: 16 float32 lanes whose sum is q . k_r, for bfloat16 rows of DIM (a multiple of 32) elements
+// at k + r * ld; part[r] = 0 for n <= r < kLanes. AVX512-BF16's dot instruction multiplies the 16-bit values
+// pairwise into float32 sums, with no conversion pass.
+template <int DIM>
+inline void bf16_dots(const at::BFloat16* q, const at::BFloat16* k, int64_t ld, int64_t n, Vec* part) {
+  static_assert(DIM % 32 == 0);
+  constexpr int kWords = DIM / 32;
+  __m512bh qv[kWords];
+  for (int c = 0; c < kWords; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+  for (int64_t r = 0; r < kLanes; ++r) {
+    __m512 sum = _mm512_setzero_ps();
+    if (r < n) {
+      for (int c = 0; c < kWords; ++c) sum = _mm512_dpbf16_ps(sum, qv[c], (__m512bh)_mm512_loadu_si512(k + r * ld + 32 * c));
+    }
+    part[r] = Vec(sum);
   }
-  return top.reduce_max();
 }
+
+// The value rows of kLanes positions (n of them real, the rest zero) as pairs of consecutive positions interleaved
+// per element, the operand layout of the dot instruction: pairs[(r / 2) * DIM / 16 + j] for positions r, r + 1.
+// Within a vector the elements come in unpack order; bf16_slot maps them back (bf16_accumulate's output).
+template <int DIM>
+inline void bf16_pair_rows(const at::BFloat16* v, int64_t ld, int64_t n, __m512i* pairs) {
+  constexpr int kWords = DIM / 32;
+  for (int64_t r = 0; r < kLanes; r += 2) {
+    for (int c = 0; c < kWords; ++c) {
+      const __m512i a = r < n ? _mm512_loadu_si512(v + r * ld + 32 * c) : _mm512_setzero_si512();
+      const __m512i b = r + 1 < n ? _mm512_loadu_si512(v + (r + 1) * ld + 32 * c) : _mm512_setzero_si512();
+      pairs[(r / 2) * 2 * kWords + 2 * c] = _mm512_unpacklo_epi16(a, b);
+      pairs[(r / 2) * 2 * kWords + 2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+    }
+  }
+}
+
+// acc (DIM floats in bf16_slot order) += sum over the kLanes positions of p[r] * v_r, p rounded to bfloat16.
+template <int DIM>
+inline void bf16_accumulate(const Vec& p, const __m512i* pairs, float* acc) {
+  constexpr int kVecs = DIM / 16;
+  alignas(64) uint32_t weights[kLanes / 2];   // p as bfloat16 pairs, one pair per two positions
+  _mm256_store_si256(reinterpret_cast<__m256i*>(weights), (__m256i)_mm512_cvtneps_pbh(__m512(p)));
+  __m512 reg[kVecs];
+  for (int j = 0; j < kVecs; ++j) reg[j] = _mm512_loadu_ps(acc + 16 * j);
+  for (int64_t pair = 0; pair < kLanes / 2; ++pair) {
+    const __m512bh w = (__m512bh)_mm512_set1_epi32(weights[pair]);
+    for (int j = 0; j < kVecs; ++j) reg[j] = _mm512_dpbf16_ps(reg[j], w, (__m512bh)pairs[pair * kVecs + j]);
+  }
+  for (int j = 0; j < kVecs; ++j) _mm512_storeu_ps(acc + 16 * j, reg[j]);
+}
+
+// The element of the row that bf16_accumulate keeps at acc[i]: unpack interleaves 4-element groups per 128 bits.
+inline int64_t bf16_slot(int64_t i) {
+  const int64_t word = i / 32, half = i / 16 % 2, lane = i % 16 / 4, j = i % 4;
+  return 32 * word + 8 * lane + 4 * half + j;
+}
+#else
+constexpr bool kBf16Dots = false;
+template <int DIM>
+inline void bf16_dots(const at::BFloat16*, const at::BFloat16*, int64_t, int64_t, Vec*) {}
+template <int DIM>
+inline void bf16_pair_rows(const at::BFloat16*, int64_t, int64_t, void*) {}
+template <int DIM>
+inline void bf16_accumulate(const Vec&, const void*, float*) {}
+inline int64_t bf16_slot(int64_t i) { return i; }
+#endif
 
 }  // namespace batchrun
