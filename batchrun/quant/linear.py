@@ -13,6 +13,7 @@ import torch
 
 from batchrun.models import graph
 from batchrun.quant import cpu_kernels
+from batchrun.quant.quantize import fake_quantize_rows
 from batchrun.quant.weights import QuantizedWeight
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]
@@ -58,10 +59,17 @@ class QuantizedLinear:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if torch.compiler.is_compiling():
-            out = torch.ops.batchrun.quant_linear(rows, self.handle, self.out_features)
-        else:
+        if not torch.compiler.is_compiling():
             out = self.kernel(rows)
+        elif hasattr(self.kernel, "product"):
+            # W8A8: the activations' quantization and the row scale are traced, so inductor fuses them with the
+            # elementwise work around the layer; only the int8 product is opaque. Run eagerly around the op they
+            # took 1.4 s beside the products' 2.4 s (0.3B Llama shape, 32 rows, 64 steps, one thread).
+            qx, row_scale = fake_quantize_rows(rows, "int8", self.kernel.input_scale)
+            out = (torch.ops.batchrun.quant_product(qx, self.handle, self.out_features, rows.dtype) * row_scale
+                   ).to(rows.dtype)
+        else:
+            out = torch.ops.batchrun.quant_linear(rows, self.handle, self.out_features)
         if bias is not None:
             out = out + bias
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
@@ -75,3 +83,14 @@ def quant_linear(x: torch.Tensor, handle: int, out_features: int) -> torch.Tenso
 @quant_linear.register_fake
 def _(x, handle, out_features):
     return x.new_empty(x.shape[0], out_features)
+
+
+@torch.library.custom_op("batchrun::quant_product", mutates_args=())
+def quant_product(qx: torch.Tensor, handle: int, out_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """The int8 product of already quantized activations, without their row scale (a W8A8 kernel's product)."""
+    return graph.lookup(handle).product(qx, dtype)
+
+
+@quant_product.register_fake
+def _(qx, handle, out_features, dtype):
+    return qx.new_empty(qx.shape[0], out_features, dtype=cpu_kernels.product_dtype(dtype))
