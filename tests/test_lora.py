@@ -61,6 +61,22 @@ def test_llama_forced_preemption(llama):
     assert llm.engine.stats.preemptions > 0
 
 
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "per-adapter"])
+def test_each_cpu_update_path_matches_peft(llama, monkeypatch, stacked):
+    """Both CPU ways of the grouped update, forced in turn: the stacked products over every resident adapter (each
+    row's mask zeroing the others' columns; steps of at most and of more than FUSED_ADD_ROWS rows) and the
+    per-adapter runs. With max_adapters=2 of 3 the stacks are rebuilt as adapters come and go."""
+    from batchrun.engine.lora import grouped
+    monkeypatch.setattr(grouped, "stacked_wins", lambda *args: stacked)
+    used = set()
+    for cls in (grouped.Stacked, grouped.PerAdapter):
+        monkeypatch.setattr(cls, "apply", lambda self, *a, _apply=cls.apply: used.add(type(self)) or _apply(self, *a))
+    llm = check_mixed(*llama, seed=11, lengths=(3, 9, 17, 5, 23, 12, 30), block_size=4, max_num_batched_tokens=40,
+                      max_adapters=2)
+    assert used == {grouped.Stacked if stacked else grouped.PerAdapter}
+    assert llm.engine.adapters.loads > 2
+
+
 def test_qwen3_mixed_batch(tmp_path):
     check_mixed(*build(tmp_path, "qwen3", head_dim=16), seed=3, merged=True, block_size=8, max_num_batched_tokens=24)
 
