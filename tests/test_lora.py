@@ -77,6 +77,20 @@ def test_each_cpu_update_path_matches_peft(llama, monkeypatch, stacked):
     assert llm.engine.adapters.loads > 2
 
 
+def test_sgmv_kernels_in_the_engine(llama):
+    """The CUDA way (the SGMV kernels over each step's segments of rows), run here under the Triton interpreter in
+    float32: the same tokens as PEFT, base rows among the adapters' rows, prefill chunks and decodes."""
+    pytest.importorskip("triton")
+    path, base, paths, peft_models = llama
+    llm = LLM(model=path, adapters=paths, kv_cache_memory="4MiB", block_size=4, max_num_batched_tokens=24)
+    llm.engine.adapters.segmented = True
+    rows = mixed_rows([None, *paths], (3, 19, 9, 5), seed=12)
+    got = run(llm, rows, max_tokens=4)
+    assert got == expected(base, peft_models, rows, max_tokens=4)
+    assert all(tokens != reference_greedy(base, p, 4) for tokens, (p, a) in zip(got, rows) if a)
+    assert all(stack.packed is None for stack in llm.engine.adapters.stacks.values())
+
+
 def test_qwen3_mixed_batch(tmp_path):
     check_mixed(*build(tmp_path, "qwen3", head_dim=16), seed=3, merged=True, block_size=8, max_num_batched_tokens=24)
 

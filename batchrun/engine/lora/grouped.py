@@ -6,7 +6,7 @@
   by side into another (a Stack, rebuilt when the resident set changes); each row's columns of other adapters are
   zeroed by a mask built once per step per column layout and shared by every layer: two calls per projection
   whatever the adapter count, but every row pays for every resident adapter's rank;
-- Segments (CUDA): the SGMV kernels (kernels/lora_sgmv.py) over the stacked weights, each run of rows reading
+- Segments (CUDA, `AdapterSet.segmented`): the SGMV kernels (kernels/lora_sgmv.py) over the stacked weights, each run of rows reading
   only its own adapter's columns.
 
 On the CPU a oneDNN product costs about 18 us before any arithmetic (a 16x576x64 bfloat16 product took 19 us, a
@@ -114,3 +114,27 @@ class Stacked:
         if len(x) <= FUSED_ADD_ROWS:   # y + h @ B^T in one oneDNN call, into a new tensor
             return torch.ops.mkldnn._linear_pointwise.binary(h, y, stack.packed[1], None, "add")
         return y.addmm_(h, stack.b.T)
+
+
+class Segments:
+    """The CUDA way: per projection one SGMV shrink and one expand launch over the stacked weights, each run of rows
+    (a segment) reading only its own adapter's columns."""
+
+    def __init__(self, stacks: dict[str, Stack], runs: list[tuple[str, int, int]], device: torch.device):
+        from batchrun.kernels import lora_sgmv
+        self.sgmv, self.stacks, self.runs, self.device = lora_sgmv, stacks, runs, device
+        self.tables: dict[int, tuple[torch.Tensor, int]] = {}   # per column layout: launch table, largest rank
+
+    def apply(self, y: torch.Tensor, x: torch.Tensor, projection: str) -> torch.Tensor:
+        stack = self.stacks.get(projection)
+        if stack is None:
+            return y
+        if id(stack.owner) not in self.tables:
+            segments = [(start, end, *stack.columns[name]) for name, start, end in self.runs if name in stack.columns]
+            self.tables[id(stack.owner)] = (self.sgmv.tiles(segments, self.device),
+                                            max((rank for *_, rank in segments), default=0))
+        table, max_rank = self.tables[id(stack.owner)]
+        if len(table):
+            h = self.sgmv.shrink(x if x.stride(1) == 1 else x.contiguous(), stack.a, table, max_rank)
+            self.sgmv.expand(y, h, stack.b, table)
+        return y

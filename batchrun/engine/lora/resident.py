@@ -23,6 +23,7 @@ class AdapterSet:
         self.shapes = {p: (model.get_submodule(p).in_features, model.get_submodule(p).out_features) for p in wanted}
         projection.wrap(model, wanted)
         self.dtype, self.device, self.max_adapters = dtype, device, max_adapters
+        self.segmented = device.type == "cuda"   # the SGMV kernels; else the CPU's stacked or per-adapter products
         self.resident: OrderedDict[str, dict] = OrderedDict()   # least recently used first
         self.stacks: dict[str, grouped.Stack] | None = None     # over the resident set; None: to be rebuilt
         self.stack_order: dict[str, int] = {}                    # adapter -> its position in the stacks
@@ -75,14 +76,17 @@ class AdapterSet:
         runs, owners = self.runs(row_adapters)
         if not runs:
             return None
-        if self.device.type == "cpu":
+        if not self.segmented:
             stack_macs = sum(self.macs[name] for name in self.resident)
             if not grouped.stacked_wins(len(row_adapters), runs, [self.macs[name] for name in owners], stack_macs,
                                         len(self.shapes), self.dtype):
                 return grouped.PerAdapter(runs)
         if self.stacks is None:   # positions fixed at the build: later uses reorder `resident` (the LRU)
-            self.stacks = grouped.build_stacks(self.resident, self.shapes, pack=self.device.type == "cpu")
+            self.stacks = grouped.build_stacks(self.resident, self.shapes, pack=not self.segmented)
             self.stack_order = {name: i for i, name in enumerate(self.resident)}
+        if self.segmented:
+            return grouped.Segments(self.stacks, [(name, start, end) for name, (_, start, end) in zip(owners, runs)],
+                                    self.device)
         row_owner = torch.tensor([self.stack_order.get(name, -1) for name in row_adapters], device=self.device)
         return grouped.Stacked(self.stacks, row_owner)
 
