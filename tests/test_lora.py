@@ -220,3 +220,50 @@ def test_server_model_field_selects_the_adapter(llama):
     finally:
         server.stop()
         llm.stop_background()
+
+
+def test_serve_command_takes_adapters(llama, monkeypatch):
+    """`batchrun serve --adapter NAME=PATH`: the command's engine holds the adapters and the served app selects
+    one by the request's `model` (uvicorn.run replaced by a server thread that the test queries)."""
+    openai = pytest.importorskip("openai")
+    uvicorn = pytest.importorskip("uvicorn")
+    from click.testing import CliRunner
+    from transformers import AutoTokenizer
+
+    from batchrun.cli import main
+    from batchrun.server import ServerThread
+    path, base, paths, peft_models = llama
+    prompt = random_prompts([7], seed=13)[0]
+    answers = {}
+
+    def serve_briefly(app, **kwargs):
+        server = ServerThread(app).start()
+        try:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=30)
+            answers["models"] = [m.id for m in client.models.list().data]
+            for model in ("tiny", "qv"):
+                answers[model] = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0,
+                                                           extra_body={"ignore_eos": True}).choices[0].text
+        finally:
+            server.stop()
+    monkeypatch.setattr(uvicorn, "run", serve_briefly)
+    result = CliRunner().invoke(main, ["serve", "--model", path, "--served-model-name", "tiny", "--kv-cache-memory",
+                                       "4MiB", "--adapter", f"qv={paths['qv']}",
+                                       "--adapter", f"support = {paths['support']}"])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    assert answers["models"] == ["tiny", "qv", "support"]
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert answers["tiny"] == tokenizer.decode(reference_greedy(base, prompt, 4), skip_special_tokens=True)
+    assert answers["qv"] == tokenizer.decode(peft_greedy(peft_models["qv"], prompt, 4), skip_special_tokens=True)
+    assert answers["qv"] != answers["tiny"]
+
+
+def test_serve_command_refuses_a_bad_adapter_option(llama, tmp_path):
+    from click.testing import CliRunner
+
+    from batchrun.cli import main
+    bad = CliRunner().invoke(main, ["serve", "--model", llama[0], "--adapter", "support"])
+    assert bad.exit_code == 2 and "'support': expected NAME=PATH" in bad.output
+    missing = CliRunner().invoke(main, ["serve", "--model", llama[0], "--kv-cache-memory", "4MiB",
+                                        "--adapter", f"gone={tmp_path / 'nowhere'}"])
+    assert missing.exit_code == 2 and "adapter 'gone'" in missing.output and "does not exist" in missing.output

@@ -6,8 +6,8 @@
   by side into another (a Stack, rebuilt when the resident set changes); each row's columns of other adapters are
   zeroed by a mask built once per step per column layout and shared by every layer: two calls per projection
   whatever the adapter count, but every row pays for every resident adapter's rank;
-- Segments (CUDA, `AdapterSet.segmented`): the SGMV kernels (kernels/lora_sgmv.py) over the stacked weights, each run of rows reading
-  only its own adapter's columns.
+- Segments (CUDA, `AdapterSet.segmented`): the SGMV kernels (kernels/lora_sgmv.py) over the stacked weights, each
+  run of rows reading only its own adapter's columns.
 
 On the CPU a oneDNN product costs about 18 us before any arithmetic (a 16x576x64 bfloat16 product took 19 us, a
 16x576x960 one 40 us; Xeon with AMX, one thread), so a decode step's many small per-adapter products cost more
