@@ -1,7 +1,7 @@
 """LoRA adapters per row vs the base model alone, on SmolLM2: output tokens per second on the same prompts.
 
     python bench/lora.py [--prompts 64] [--prompt-tokens 128] [--max-tokens 64] [--adapters 4] [--rank 16]
-                         [--repeats 2] [--one-core]
+                         [--repeats 2] [--one-core] [--core N]
 
 Four rank-16 PEFT adapters on every projection (q/k/v/o, gate/up/down), made once with PEFT into
 BATCHRUN_CACHE/bench-adapters; the rows spread evenly over them (row i under adapter i mod 4). The base figure is an
@@ -9,7 +9,8 @@ engine without adapters on the same prompts. Both engines are built and warmed u
 before timing; the runs alternate, base first, --repeats times, and the best of each is reported (the machine may be
 shared: the ratio within one run is the figure). Prompts are the sample prompts' first --prompt-tokens tokens.
 --one-core: one torch thread, and tokens per CPU second beside the wall-clock figure (less sensitive to other
-processes on a shared machine than wall time).
+processes on a shared machine than wall time). --core N: run on CPU core N only (as `taskset -c N`; default: where
+the OS puts it).
 """
 import argparse
 import dataclasses
@@ -66,11 +67,15 @@ def main():
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--one-core", action="store_true")
+    ap.add_argument("--core", type=int, help="pin the process to this CPU core")
     args = ap.parse_args()
+    if args.core is not None:
+        os.sched_setaffinity(0, {args.core})
     if args.one_core:
         torch.set_num_threads(1)
     flags = sorted(f for f in cpu_flags() if f.startswith(("avx512_bf16", "amx")))
-    print(f"CPU: {cpu_model()} ({', '.join(flags) or 'no bf16/amx'}), torch threads {torch.get_num_threads()}")
+    print(f"CPU: {cpu_model()} ({', '.join(flags) or 'no bf16/amx'}), torch threads {torch.get_num_threads()}, "
+          f"cores {sorted(os.sched_getaffinity(0))}")
     print(f"load: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
     base_dir = loader.resolve_model_path("smollm2-135m")
     adapters = make_adapters(base_dir, args.adapters, args.rank)

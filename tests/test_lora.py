@@ -61,6 +61,36 @@ def test_llama_forced_preemption(llama):
     assert llm.engine.stats.preemptions > 0
 
 
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "per-adapter"])
+def test_each_cpu_update_path_matches_peft(llama, monkeypatch, stacked):
+    """Both CPU ways of the grouped update, forced in turn: the stacked products over every resident adapter (each
+    row's mask zeroing the others' columns; steps of at most and of more than FUSED_ADD_ROWS rows) and the
+    per-adapter runs. With max_adapters=2 of 3 the stacks are rebuilt as adapters come and go."""
+    from batchrun.engine.lora import grouped
+    monkeypatch.setattr(grouped, "stacked_wins", lambda *args: stacked)
+    used = set()
+    for cls in (grouped.Stacked, grouped.PerAdapter):
+        monkeypatch.setattr(cls, "apply", lambda self, *a, _apply=cls.apply: used.add(type(self)) or _apply(self, *a))
+    llm = check_mixed(*llama, seed=11, lengths=(3, 9, 17, 5, 23, 12, 30), block_size=4, max_num_batched_tokens=40,
+                      max_adapters=2)
+    assert used == {grouped.Stacked if stacked else grouped.PerAdapter}
+    assert llm.engine.adapters.loads > 2
+
+
+def test_sgmv_kernels_in_the_engine(llama):
+    """The CUDA way (the SGMV kernels over each step's segments of rows), run here under the Triton interpreter in
+    float32: the same tokens as PEFT, base rows among the adapters' rows, prefill chunks and decodes."""
+    pytest.importorskip("triton")
+    path, base, paths, peft_models = llama
+    llm = LLM(model=path, adapters=paths, kv_cache_memory="4MiB", block_size=4, max_num_batched_tokens=24)
+    llm.engine.adapters.segmented = True
+    rows = mixed_rows([None, *paths], (3, 19, 9, 5), seed=12)
+    got = run(llm, rows, max_tokens=4)
+    assert got == expected(base, peft_models, rows, max_tokens=4)
+    assert all(tokens != reference_greedy(base, p, 4) for tokens, (p, a) in zip(got, rows) if a)
+    assert all(stack.packed is None for stack in llm.engine.adapters.stacks.values())
+
+
 def test_qwen3_mixed_batch(tmp_path):
     check_mixed(*build(tmp_path, "qwen3", head_dim=16), seed=3, merged=True, block_size=8, max_num_batched_tokens=24)
 
@@ -190,3 +220,50 @@ def test_server_model_field_selects_the_adapter(llama):
     finally:
         server.stop()
         llm.stop_background()
+
+
+def test_serve_command_takes_adapters(llama, monkeypatch):
+    """`batchrun serve --adapter NAME=PATH`: the command's engine holds the adapters and the served app selects
+    one by the request's `model` (uvicorn.run replaced by a server thread that the test queries)."""
+    openai = pytest.importorskip("openai")
+    uvicorn = pytest.importorskip("uvicorn")
+    from click.testing import CliRunner
+    from transformers import AutoTokenizer
+
+    from batchrun.cli import main
+    from batchrun.server import ServerThread
+    path, base, paths, peft_models = llama
+    prompt = random_prompts([7], seed=13)[0]
+    answers = {}
+
+    def serve_briefly(app, **kwargs):
+        server = ServerThread(app).start()
+        try:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=30)
+            answers["models"] = [m.id for m in client.models.list().data]
+            for model in ("tiny", "qv"):
+                answers[model] = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0,
+                                                           extra_body={"ignore_eos": True}).choices[0].text
+        finally:
+            server.stop()
+    monkeypatch.setattr(uvicorn, "run", serve_briefly)
+    result = CliRunner().invoke(main, ["serve", "--model", path, "--served-model-name", "tiny", "--kv-cache-memory",
+                                       "4MiB", "--adapter", f"qv={paths['qv']}",
+                                       "--adapter", f"support = {paths['support']}"])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    assert answers["models"] == ["tiny", "qv", "support"]
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert answers["tiny"] == tokenizer.decode(reference_greedy(base, prompt, 4), skip_special_tokens=True)
+    assert answers["qv"] == tokenizer.decode(peft_greedy(peft_models["qv"], prompt, 4), skip_special_tokens=True)
+    assert answers["qv"] != answers["tiny"]
+
+
+def test_serve_command_refuses_a_bad_adapter_option(llama, tmp_path):
+    from click.testing import CliRunner
+
+    from batchrun.cli import main
+    bad = CliRunner().invoke(main, ["serve", "--model", llama[0], "--adapter", "support"])
+    assert bad.exit_code == 2 and "'support': expected NAME=PATH" in bad.output
+    missing = CliRunner().invoke(main, ["serve", "--model", llama[0], "--kv-cache-memory", "4MiB",
+                                        "--adapter", f"gone={tmp_path / 'nowhere'}"])
+    assert missing.exit_code == 2 and "adapter 'gone'" in missing.output and "does not exist" in missing.output

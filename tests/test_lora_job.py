@@ -105,4 +105,4 @@ def test_planner_counts_adapter_memory(tmp_path, tiny_model):
                                                    "adapter_model.safetensors").values())
     for limit, held in ((None, 3), (1, 1)):
         engine = {"adapters": adapters, **({"max_adapters": limit} if limit else {})}
-        assert adapter_bytes(JobSpec.from_yaml(write_job(tmp_path, path, engine=engine))) == held * largest
+        assert adapter_bytes(JobSpec.from_yaml(write_job(tmp_path, path, engine=engine))) == 2 * held * largest

@@ -107,8 +107,7 @@ class ModelRunner:
     def run(self, plan: StepPlan, pool_of: Callable[[Request], int]) -> tuple[torch.Tensor, list[Request]]:
         """Forward the planned tokens; returns logits [S, vocab] for the S requests that sample this step."""
         inputs, sample_reqs, row_adapters = self.prepare(plan, pool_of)
-        runs = self.adapters.runs(row_adapters) if self.adapters is not None else []
-        with lora.step(runs):
+        with lora.step(self.adapters.update(row_adapters) if self.adapters is not None else None):
             return self.execute(inputs), sample_reqs
 
     @torch.inference_mode()

@@ -17,10 +17,11 @@ def make_planner(spec: JobSpec, deadline: str | None = None, model_config: str |
 
 
 def adapter_bytes(spec: JobSpec) -> int:
-    """engine.max_adapters of the job's largest adapter, in 16-bit (small: rank x (in + out) per adapted module)."""
+    """engine.max_adapters of the job's largest adapter, in 16-bit (small: rank x (in + out) per adapted module),
+    twice: the engine holds each resident adapter's matrices and the stacked copy its grouped products read."""
     from batchrun.engine.lora.adapter_file import AdapterFile
     sizes = [AdapterFile(name, path).nbytes(2) for name, path in (spec.engine_options.get("adapters") or {}).items()]
-    return min(spec.engine.max_adapters, len(sizes)) * max(sizes, default=0)
+    return 2 * min(spec.engine.max_adapters, len(sizes)) * max(sizes, default=0)
 
 
 def deadline_seconds(spec: JobSpec, deadline: str | None) -> float | None:

@@ -1,5 +1,6 @@
 """The engine's adapters: every configured file checked against the model at start-up (before any work), at most
-`max_adapters` loaded at a time (least recently used evicted), and each step's rows turned into adapter runs."""
+`max_adapters` loaded at a time (least recently used evicted), and each step's rows turned into its grouped
+update (grouped.py)."""
 from __future__ import annotations
 
 import logging
@@ -7,7 +8,7 @@ from collections import OrderedDict
 
 import torch
 
-from batchrun.engine.lora import projection, targets
+from batchrun.engine.lora import grouped, projection, targets
 from batchrun.engine.lora.adapter_file import AdapterFile
 
 log = logging.getLogger("batchrun")
@@ -21,12 +22,13 @@ class AdapterSet:
         wanted = {t.projection for per_module in self.targets.values() for t in per_module.values()}
         self.shapes = {p: (model.get_submodule(p).in_features, model.get_submodule(p).out_features) for p in wanted}
         projection.wrap(model, wanted)
-        # On the CPU the small products run in float32: 16-bit matrix products outside oneDNN's packed path are
-        # slow there (SmolLM2 bf16, 4 adapters: 0.21x the base model's tok/s with bf16 updates).
-        self.dtype = torch.float32 if device.type == "cpu" else dtype
-        self.device, self.max_adapters = device, max_adapters
+        self.dtype, self.device, self.max_adapters = dtype, device, max_adapters
+        self.segmented = device.type == "cuda"   # the SGMV kernels; else the CPU's stacked or per-adapter products
         self.resident: OrderedDict[str, dict] = OrderedDict()   # least recently used first
+        self.stacks: dict[str, grouped.Stack] | None = None     # over the resident set; None: to be rebuilt
+        self.stack_order: dict[str, int] = {}                    # adapter -> its position in the stacks
         self.loads = 0   # adapters read from disk so far (LRU evictions show here)
+        self.macs = {name: self.adapter_bytes(name) // self.element_size for name in self.files}   # per row
         self.max_bytes = max(self.adapter_bytes(name) for name in self.files)
 
     def __contains__(self, name: str) -> bool:
@@ -36,18 +38,22 @@ class AdapterSet:
     def fingerprints(self) -> dict[str, str]:
         return {name: file.fingerprint for name, file in self.files.items()}
 
+    @property
+    def element_size(self) -> int:
+        return torch.tensor([], dtype=self.dtype).element_size()
+
     def adapter_bytes(self, name: str) -> int:
-        """Resident size of one adapter (stacked A, block-diagonal B) in the dtype its products run in."""
-        size = torch.tensor([], dtype=self.dtype).element_size()
+        """Size of one adapter (stacked A, block-diagonal B) in the model's dtype."""
         ranks: dict[str, int] = {}
         for module, target in self.targets[name].items():
             ranks[target.projection] = ranks.get(target.projection, 0) + self.files[name].modules[module].rank
-        return size * sum(rank * sum(self.shapes[p]) for p, rank in ranks.items())
+        return self.element_size * sum(rank * sum(self.shapes[p]) for p, rank in ranks.items())
 
     @property
     def reserved_bytes(self) -> int:
-        """Memory the resident set can take: max_adapters of the largest adapter."""
-        return min(self.max_adapters, len(self.files)) * self.max_bytes
+        """Memory the resident set can take: max_adapters of the largest adapter, twice (each adapter's own
+        matrices and the stacked copy the grouped products read)."""
+        return 2 * min(self.max_adapters, len(self.files)) * self.max_bytes
 
     def weights(self, name: str, keep: set[str]) -> dict:
         """The adapter's stacked weights, loaded if not resident; evicts the least recently used beyond
@@ -57,6 +63,7 @@ class AdapterSet:
             return self.resident[name]
         for old in [n for n in self.resident if n not in keep][:max(0, len(self.resident) + 1 - self.max_adapters)]:
             del self.resident[old]
+        self.stacks = None
         self.resident[name] = targets.stack(self.files[name], self.targets[name], self.shapes, self.dtype,
                                             self.device)
         self.loads += 1
@@ -64,13 +71,34 @@ class AdapterSet:
                  len(self.resident))
         return self.resident[name]
 
-    def runs(self, row_adapters: list[str | None]) -> list[projection.Run]:
-        """(weights, start, end) for each run of consecutive rows with the same adapter (base rows: none)."""
+    def update(self, row_adapters: list[str | None]):
+        """The step's grouped update for rows with these adapters (None: base), or None where no row has one."""
+        runs, owners = self.runs(row_adapters)
+        if not runs:
+            return None
+        if not self.segmented:
+            stack_macs = sum(self.macs[name] for name in self.resident)
+            if not grouped.stacked_wins(len(row_adapters), runs, [self.macs[name] for name in owners], stack_macs,
+                                        len(self.shapes), self.dtype):
+                return grouped.PerAdapter(runs)
+        if self.stacks is None:   # positions fixed at the build: later uses reorder `resident` (the LRU)
+            self.stacks = grouped.build_stacks(self.resident, self.shapes, pack=not self.segmented)
+            self.stack_order = {name: i for i, name in enumerate(self.resident)}
+        if self.segmented:
+            return grouped.Segments(self.stacks, [(name, start, end) for name, (_, start, end) in zip(owners, runs)],
+                                    self.device)
+        row_owner = torch.tensor([self.stack_order.get(name, -1) for name in row_adapters], device=self.device)
+        return grouped.Stacked(self.stacks, row_owner)
+
+    def runs(self, row_adapters: list[str | None]) -> tuple[list[grouped.Run], list[str]]:
+        """(weights, start, end) for each run of consecutive rows with the same adapter (base rows: none), and
+        each run's adapter."""
         keep = set(row_adapters) - {None}
-        runs, start = [], 0
+        runs, owners, start = [], [], 0
         for i in range(1, len(row_adapters) + 1):
             if i == len(row_adapters) or row_adapters[i] != row_adapters[start]:
                 if row_adapters[start] is not None:
                     runs.append((self.weights(row_adapters[start], keep), start, i))
+                    owners.append(row_adapters[start])
                 start = i
-        return runs
+        return runs, owners

@@ -1,7 +1,8 @@
 """Where an adapter's modules land in batchrun's model, whose q/k/v and gate/up projections are fused
 (models/base.py FUSED): each PEFT module maps to a projection and the rows of its output it owns. Per projection,
-the adapter's modules become one pair of matrices: A stacked [in, sum of ranks] and B block-diagonal
-[sum of ranks, out] with the scaling folded in, so one adapter costs two small products per projection."""
+the adapter's modules become one pair of matrices in nn.Linear's layout: A stacked [sum of ranks, in] and B
+block-diagonal [out, sum of ranks] with the scaling folded in, so one adapter costs two small products per
+projection."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -54,7 +55,7 @@ def _part_rows(parent: torch.nn.Module, out_features: int, parts: tuple[str, ...
 
 def stack(adapter: AdapterFile, targets: dict[str, Target], shapes: dict[str, tuple[int, int]], dtype: torch.dtype,
           device: torch.device) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """projection -> (A^T [in, R], scaled block-diagonal B^T [R, out]) over the adapter's modules on it."""
+    """projection -> (A [R, in], scaled block-diagonal B [out, R]) over the adapter's modules on it."""
     weights = adapter.load(torch.float32)
     by_projection: dict[str, list[str]] = {}
     for module, target in targets.items():
@@ -63,11 +64,11 @@ def stack(adapter: AdapterFile, targets: dict[str, Target], shapes: dict[str, tu
     for projection, modules in by_projection.items():
         modules.sort(key=lambda m: targets[m].rows.start)
         a = torch.cat([weights[m][0] for m in modules])                       # [R, in]
-        b = torch.zeros(a.shape[0], shapes[projection][1])                 # [R, out]
+        b = torch.zeros(shapes[projection][1], a.shape[0])                 # [out, R]
         r = 0
         for m in modules:
             rank = adapter.modules[m].rank
-            b[r:r + rank, targets[m].rows] = weights[m][1].T * adapter.modules[m].scaling
+            b[targets[m].rows, r:r + rank] = weights[m][1] * adapter.modules[m].scaling
             r += rank
-        stacked[projection] = (a.T.contiguous().to(device, dtype), b.to(device, dtype))
+        stacked[projection] = (a.to(device, dtype), b.to(device, dtype))
     return stacked

@@ -1,0 +1,140 @@
+"""A step's low-rank updates y += (x @ A^T) @ B^T, each row under its own adapter, computed one of three ways:
+
+- PerAdapter: for each run of rows under one adapter (the model runner orders a pool's tokens by adapter), two
+  products on that run's rows: the least arithmetic, but two calls per adapter present per projection;
+- Stacked (CPU): the resident adapters' A matrices stacked into one oneDNN-packed weight and their B matrices side
+  by side into another (a Stack, rebuilt when the resident set changes); each row's columns of other adapters are
+  zeroed by a mask built once per step per column layout and shared by every layer: two calls per projection
+  whatever the adapter count, but every row pays for every resident adapter's rank;
+- Segments (CUDA, `AdapterSet.segmented`): the SGMV kernels (kernels/lora_sgmv.py) over the stacked weights, each
+  run of rows reading only its own adapter's columns.
+
+On the CPU a oneDNN product costs about 18 us before any arithmetic (a 16x576x64 bfloat16 product took 19 us, a
+16x576x960 one 40 us; Xeon with AMX, one thread), so a decode step's many small per-adapter products cost more
+than the stacked path's wasted columns; large prefill chunks are the other way round (stacked_wins).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from batchrun.models import cpu_gemm
+
+# (projection -> (A [R, in], B [out, R]) of one adapter, first row, end row)
+Run = tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], int, int]
+# Multiply-adds the stacked path may waste per product call it saves before the per-adapter path wins (the per-adapter
+# products run unpacked). SmolLM2 bfloat16, 4 rank-16 adapters on every projection, rows spread evenly (Xeon with
+# AMX, one thread): stacked 214 output tok per CPU second, per adapter 149, base model 276; the stacked path won at
+# every step there, 1,024-row prefill chunks included (3 x 7.3 M multiply-adds wasted per row, 3 x 240 calls
+# saved per step): 32 M is above that. float32's small products run through MKL at ~4 us a call: 2 M.
+WASTE_PER_SAVED_CALL = {torch.bfloat16: 32_000_000, torch.float32: 2_000_000}
+# Up to this many rows the stacked path adds its expand product to y inside oneDNN's call (a binary post-op); past
+# it y.addmm_ (MKL, accumulating into y) is faster: bfloat16 16 x 128 -> 3072 52.7 vs 62.1 us, 64 rows 146 vs 114,
+# 798 rows 2,047 vs 760 (a separate add of the product cost more than either: 1,250 us at 798 rows).
+FUSED_ADD_ROWS = 32
+
+
+@dataclass
+class Stack:
+    """One projection's resident adapters side by side: A [C, in] and B [out, C] (on the CPU also both packed,
+    and the dense A dropped), `columns[name]` = (first column, rank), `owner` [C] = each column's adapter's
+    position in the set's order (shared by every projection with the same layout)."""
+    a: torch.Tensor | None
+    b: torch.Tensor | None
+    packed: tuple[torch.Tensor, torch.Tensor] | None
+    columns: dict[str, tuple[int, int]]
+    owner: torch.Tensor
+
+
+def build_stacks(resident: dict[str, dict], shapes: dict[str, tuple[int, int]], pack: bool) -> dict[str, Stack]:
+    """projection -> Stack over the resident adapters (in `resident`'s order) that adapt it."""
+    order = {name: i for i, name in enumerate(resident)}
+    owners: dict[tuple, torch.Tensor] = {}
+    stacks = {}
+    for projection in shapes:
+        pairs = [(name, weights[projection]) for name, weights in resident.items() if projection in weights]
+        if not pairs:
+            continue
+        layout = tuple((name, a.shape[0]) for name, (a, _) in pairs)
+        device = pairs[0][1][0].device
+        if layout not in owners:
+            owners[layout] = torch.tensor([order[name] for name, rank in layout for _ in range(rank)], device=device)
+        columns, start = {}, 0
+        for name, rank in layout:
+            columns[name] = (start, rank)
+            start += rank
+        a = torch.cat([a for _, (a, _) in pairs])
+        b = torch.cat([b for _, (_, b) in pairs], dim=1)
+        packed = (cpu_gemm.pack(a), cpu_gemm.pack(b)) if pack else None
+        if packed is not None and None in packed:
+            packed = None
+        stacks[projection] = Stack(None if packed else a, b, packed, columns, owners[layout])
+    return stacks
+
+
+def stacked_wins(rows: int, runs: list[Run], own_macs: list[int], stack_macs: int, projections: int,
+                 dtype: torch.dtype) -> bool:
+    """Whether the stacked path's wasted multiply-adds (every row times the other resident adapters' matrices,
+    `*_macs` per row over all projections) cost less than the product calls it saves (two per projection for each
+    run beyond the first)."""
+    waste = rows * stack_macs - sum(macs * (end - start) for macs, (_, start, end) in zip(own_macs, runs))
+    return waste <= 2 * projections * (len(runs) - 1) * WASTE_PER_SAVED_CALL.get(dtype, 0)
+
+
+class PerAdapter:
+    def __init__(self, runs: list[Run]):
+        self.runs = runs
+
+    def apply(self, y: torch.Tensor, x: torch.Tensor, projection: str) -> torch.Tensor:
+        for weights, start, end in self.runs:
+            pair = weights.get(projection)
+            if pair is not None:
+                a, b = pair
+                y[start:end].addmm_(F.linear(x[start:end], a), b.T)
+        return y
+
+
+class Stacked:
+    def __init__(self, stacks: dict[str, Stack], row_owner: torch.Tensor):
+        self.stacks, self.row_owner = stacks, row_owner   # row_owner [T]: each row's adapter position, -1: base
+        self.masks: dict[int, torch.Tensor] = {}
+
+    def apply(self, y: torch.Tensor, x: torch.Tensor, projection: str) -> torch.Tensor:
+        stack = self.stacks.get(projection)
+        if stack is None:
+            return y
+        mask = self.masks.get(id(stack.owner))
+        if mask is None:
+            mask = self.masks[id(stack.owner)] = (self.row_owner[:, None] == stack.owner[None, :]).to(x.dtype)
+        if stack.packed is None:
+            return y.addmm_(F.linear(x, stack.a).mul_(mask), stack.b.T)
+        h = cpu_gemm.linear(x, stack.packed[0], None).mul_(mask)
+        if len(x) <= FUSED_ADD_ROWS:   # y + h @ B^T in one oneDNN call, into a new tensor
+            return torch.ops.mkldnn._linear_pointwise.binary(h, y, stack.packed[1], None, "add")
+        return y.addmm_(h, stack.b.T)
+
+
+class Segments:
+    """The CUDA way: per projection one SGMV shrink and one expand launch over the stacked weights, each run of rows
+    (a segment) reading only its own adapter's columns."""
+
+    def __init__(self, stacks: dict[str, Stack], runs: list[tuple[str, int, int]], device: torch.device):
+        from batchrun.kernels import lora_sgmv
+        self.sgmv, self.stacks, self.runs, self.device = lora_sgmv, stacks, runs, device
+        self.tables: dict[int, tuple[torch.Tensor, int]] = {}   # per column layout: launch table, largest rank
+
+    def apply(self, y: torch.Tensor, x: torch.Tensor, projection: str) -> torch.Tensor:
+        stack = self.stacks.get(projection)
+        if stack is None:
+            return y
+        if id(stack.owner) not in self.tables:
+            segments = [(start, end, *stack.columns[name]) for name, start, end in self.runs if name in stack.columns]
+            self.tables[id(stack.owner)] = (self.sgmv.tiles(segments, self.device),
+                                            max((rank for *_, rank in segments), default=0))
+        table, max_rank = self.tables[id(stack.owner)]
+        if len(table):
+            h = self.sgmv.shrink(x if x.stride(1) == 1 else x.contiguous(), stack.a, table, max_rank)
+            self.sgmv.expand(y, h, stack.b, table)
+        return y
