@@ -1,8 +1,8 @@
 """Time left for a running job from the work left, not the rows left, priced by the planner's step model.
 
 Each engine step the runner records the step's shape and time. Every so often the step-time model
-t = a + b x tokens + c x context + d x prefill pairs (the fit `batchrun plan --calibrate` uses) is refitted on the recent steps and
-the work left is simulated over the real scheduler: the engine's running requests as they stand (their KV in the
+t = a + b x tokens + c x context + d x prefill pairs (the fit `batchrun plan --calibrate` uses) is refitted, recent
+steps weighing more and checked on the most recent ones (stepmodel/recent_fit.py), and the work left is simulated over the real scheduler: the engine's running requests as they stand (their KV in the
 cache), its waiting ones, the rows read but not admitted, and the rows not read yet (prompt lengths drawn from
 the rows read so far, bucketed as the feed will). Output lengths come from the rows finished so far, with the
 running ones and those cut by max_tokens as lower bounds (Kaplan-Meier), since outputs stop early and short ones
@@ -24,7 +24,8 @@ import numpy as np
 
 from batchrun.job.eta_band import band, length_spread, step_spread
 from batchrun.job.output_lengths import KEEP, OutputLengths
-from batchrun.stepmodel.costmodel import ContextPrior, LinearModel, ModelSpec, StepShape, fit_linear
+from batchrun.stepmodel.costmodel import ContextPrior, LinearModel, ModelSpec, StepShape
+from batchrun.stepmodel.recent_fit import TOLERANCE, fit_recent
 from batchrun.stepmodel.simulate import WorkItem, simulate, timeline
 
 log = logging.getLogger("batchrun.job")
@@ -170,15 +171,15 @@ class EtaEstimator:
         shapes = [StepShape(t, s, c, p) for t, s, c, p, _ in self.steps]
         times = [seconds for *_, seconds in self.steps]
         try:
-            model = fit_linear(shapes, times, holdout_every=0, prior=self.prior)
+            fitted = fit_recent(shapes, times, prior=self.prior)
         except (ValueError, np.linalg.LinAlgError):
             return None
-        model.scale = sum(times) / max(sum(model.step_time(s) for s in shapes), 1e-12)
+        model = fitted.model
         if self._run_steps >= MIN_STEPS and self._run_step_s > 0:
             self.overhead = max(1.0, (self.clock() - self._run_start) / self._run_step_s)
         half = max(shape.tokens for shape in shapes) / 2
         return (model, (half if sum(shape.tokens <= half for shape in shapes) < MIN_SMALL_STEPS else 0),
-                step_spread(model, shapes, times))
+                step_spread(model, shapes, times, TOLERANCE if fitted.miss is None else fitted.miss))
 
     def _simulate(self, model: LinearModel, unseen_up_to: float, steps_spread: tuple[float, float], running,
                   waiting, queued_rows) -> Eta | None:
