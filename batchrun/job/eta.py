@@ -45,11 +45,12 @@ class Eta:
     low: float | None = None    # p10 and p90 of the seconds left (eta_band), None when not known
     high: float | None = None
 
-    def aged(self, seconds: float) -> "Eta":
-        """The same estimate `seconds` later (the finish time stays)."""
+    def aged(self, seconds: float, tokens: int = 0) -> "Eta":
+        """The same estimate `seconds` and `tokens` generated later (the finish time stays)."""
         def left(x):
             return None if x is None else max(0.0, x - seconds)
-        return Eta(left(self.seconds_left), self.finish_at, self.output_tokens_left, left(self.low), left(self.high))
+        return Eta(left(self.seconds_left), self.finish_at, max(0, self.output_tokens_left - tokens), left(self.low),
+                   left(self.high))
 
 
 class EtaEstimator:
@@ -74,7 +75,8 @@ class EtaEstimator:
         self._bootstrap = random.Random(1)                   # the band's resamples (eta_band)
         self._run_steps, self._run_step_s = 0, 0.0
         self._run_start: float | None = None
-        self._last: tuple[float, Eta] | None = None          # (clock at the simulation, its estimate)
+        self._last: tuple[float, int, Eta] | None = None     # (clock and output tokens at the simulation, its estimate)
+        self._output_tokens = 0                              # generated so far, as the engine counts them
         self._recent: deque[tuple[float, float]] = deque(maxlen=3)   # (clock, seconds left) of the last simulations
         self._next_simulation = 0.0                          # clock time of the next simulation
         self._warned = False
@@ -101,10 +103,13 @@ class EtaEstimator:
                   prefix_caching=config.enable_prefix_caching, rows_to_read=rows_to_read, window=batching.window,
                   bucketing=batching.bucketing, longest_first=batching.longest_first, prior=context_prior(engine),
                   saved=saved)
-        engine.observe(lambda stats: eta.observe_step(stats.shape, stats.step_time))
+        engine.observe(lambda stats: eta.observe_step(stats.shape, stats.step_time, stats.output_tokens))
         return eta
 
-    def observe_step(self, shape: StepShape, seconds: float) -> None:
+    def observe_step(self, shape: StepShape, seconds: float, output_tokens: int = 0) -> None:
+        """output_tokens: generated so far (cumulative), to count the estimate's tokens left down between
+        simulations."""
+        self._output_tokens = output_tokens
         if self._run_start is None:
             self._run_start = self.clock() - seconds
         self._run_steps += 1
@@ -130,8 +135,8 @@ class EtaEstimator:
             self._resimulate(now, scheduler, queued)
         if self._last is None:
             return None
-        at, eta = self._last
-        return eta.aged(now - at)
+        at, tokens, eta = self._last
+        return eta.aged(now - at, self._output_tokens - tokens)
 
     def _resimulate(self, now: float, scheduler, queued) -> None:
         fitted = self._fit()
@@ -157,7 +162,7 @@ class EtaEstimator:
         self._recent.append((now, eta.seconds_left))
         left = float(np.median([seconds - (now - at) for at, seconds in self._recent]))
         scale = left / eta.seconds_left if eta.seconds_left > 0 else 1.0   # the band moves with the point
-        self._last = (now, Eta(left, self.wall_clock() + left, eta.output_tokens_left,
+        self._last = (now, self._output_tokens, Eta(left, self.wall_clock() + left, eta.output_tokens_left,
                                None if eta.low is None else eta.low * scale,
                                None if eta.high is None else eta.high * scale))
 
