@@ -275,7 +275,7 @@ def test_tokens_left_count_down_between_simulations_and_hold_in_shortest_first_o
     total = sum(n for *_, n in rows)
     for rows_done in (15, 30, 45):
         job.run_until(rows_done)
-        job.eta._next_simulation = 0
+        job.eta._next_simulation = 0   # a simulation now, at this point of the run
         forecast = job.eta.estimate(job.scheduler, []).output_tokens_left
         assert abs(forecast / (total - job.generated) - 1) < 0.1, (rows_done, forecast, total - job.generated)
         before = job.generated
