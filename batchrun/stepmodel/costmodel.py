@@ -286,7 +286,7 @@ def fit_linear(shapes: list[StepShape], times: list[float], holdout_every: int =
         extra_x, extra_y = prior.row(wx, wy) if prior else (np.zeros((0, x.shape[1])), np.zeros(0))
         coef = _nonneg_lstsq(np.vstack([wx, extra_x]), np.concatenate([wy, extra_y]))
         res = y - x @ coef
-        sigma = _robust_sigma(res[train], w[train])
+        sigma = _robust_sigma(res[train], None if weights is None else w[train])
         keep = ~held & (np.abs(res) <= 3 * sigma)
         if keep.sum() < 3 or (keep == train).all():
             break
