@@ -8,8 +8,8 @@ bucketing with shortest prompts first (the default), then longest first. --rows 
 job's input (ids made unique, max_tokens varied 16-256 by a fixed pattern) instead of the input as it is.
 --repeats N runs each cell (dtype x order) N times: every run's points are shown, then each point's mean and spread
 (min..max) over the runs, so that a bias (the mean) is told from the machine's noise (the spread). Beside the job's
-own estimate (job/eta.py: the work left simulated with the step-time model fitted on the job's own steps) it records the row-count estimate the progress line used before (rows left / rows
-per second so far). Reports the error of each against the time that was really left, at 10, 25, 50 and 75 % of
+own estimate (job/eta.py: the work left simulated with the step-time model fitted on the job's own steps) it
+records the row-count estimate the progress line used before (rows left / rows per second so far). Reports the error of each against the time that was really left, at 10, 25, 50 and 75 % of
 the run's stepping wall time (from its first engine step to its end; model load not counted). Goal (issue 18):
 within +-15 % from 25 % on in both orders, +-30 % at 10 %; the p10-p90 band holding the time really left at >= 80 %
 of the points (issue 35).

@@ -2,9 +2,10 @@
 
 Each engine step the runner records the step's shape and time. Every so often the step-time model
 t = a + b x tokens + c x context + d x prefill pairs (the fit `batchrun plan --calibrate` uses) is refitted, recent
-steps weighing more and checked on the most recent ones (stepmodel/recent_fit.py), and the work left is simulated over the real scheduler: the engine's running requests as they stand (their KV in the
-cache), its waiting ones, the rows read but not admitted, and the rows not read yet (prompt lengths drawn from
-the rows read so far, bucketed as the feed will). Output lengths come from the rows finished so far, with the
+steps weighing more and checked on the most recent ones (stepmodel/recent_fit.py), and the work left is simulated
+over the real scheduler: the engine's running requests as they stand (their KV in the cache), its waiting ones, the
+rows read but not admitted, and the rows not read yet (prompt lengths drawn from the rows read so far, bucketed as
+the feed will). Output lengths come from the rows finished so far, with the
 running ones and those cut by max_tokens as lower bounds (Kaplan-Meier), since outputs stop early and short ones
 finish first. While long prompts keep the KV pool full, the steps cannot tell a context token's cost from the
 step's own; the fit then leans on a prior from the bytes each reads (costmodel.ContextPrior).
