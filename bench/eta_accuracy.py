@@ -1,13 +1,15 @@
 """How good is a running job's time left? The sample job run whole, its ETA recorded every --every seconds.
 
     python bench/eta_accuracy.py [--job jobs/demo.yaml] [--every 10] [--json out.json] [--set batching.pilot=0.2]
-                                 [--dtypes float32,bfloat16] [--orders longest_first] [--rows 1000]
+                                 [--dtypes float32,bfloat16] [--orders longest_first] [--rows 1000] [--repeats 3]
 
 Runs the job into fresh temporary output directories, per compute dtype (--dtypes, engine.dtype) in both orders:
 bucketing with shortest prompts first (the default), then longest first. --rows N runs N rows cycled from the
-job's input (ids made unique, max_tokens varied 16-256 by a fixed pattern) instead of the input as it is. Beside the job's own estimate (job/eta.py: the work left simulated with the step-time model
-fitted on the job's own steps) it records the row-count estimate the progress line used before (rows left / rows
-per second so far). Reports the error of each against the time that was really left, at 10, 25, 50 and 75 % of
+job's input (ids made unique, max_tokens varied 16-256 by a fixed pattern) instead of the input as it is.
+--repeats N runs each cell (dtype x order) N times: every run's points are shown, then each point's mean and spread
+(min..max) over the runs, so that a bias (the mean) is told from the machine's noise (the spread). Beside the job's
+own estimate (job/eta.py: the work left simulated with the step-time model fitted on the job's own steps) it
+records the row-count estimate the progress line used before (rows left / rows per second so far). Reports the error of each against the time that was really left, at 10, 25, 50 and 75 % of
 the run's stepping wall time (from its first engine step to its end; model load not counted). Goal (issue 18):
 within +-15 % from 25 % on in both orders, +-30 % at 10 %; the p10-p90 band holding the time really left at >= 80 %
 of the points (issue 35).
@@ -123,12 +125,16 @@ def main() -> None:
     parser.add_argument("--dtypes", default="auto", help="engine.dtype values, comma-separated (auto: the job's)")
     parser.add_argument("--rows", type=int, help="run this many rows cycled from the job's input")
     parser.add_argument("--orders", default="shortest_first,longest_first", help="bucketing orders to run")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each dtype x order cell")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a job-file override for every run, as `batchrun submit --set` takes")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats: at least 1, got {args.repeats}")
     flags = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in cpu_flags())
     result = {"cpu": cpu_model() or platform.processor(), "flags": flags, "job": args.job, "overrides": args.set,
-              "runs": {}}
+              "load_before": os.getloadavg(), "runs": {}}
+    print(f"{result['cpu']}; {flags}; load {' '.join(f'{x:.2f}' for x in result['load_before'])}")
     with tempfile.TemporaryDirectory() as scratch:
         overrides = list(args.set)
         if args.rows:
@@ -138,15 +144,42 @@ def main() -> None:
                 order = {"bucketing": True, "longest_first": order_name == "longest_first"}
                 name = f"{dtype}/{order_name}"
                 extra = [] if dtype == "auto" else [f"engine.dtype={dtype}"]
-                run = run_recorded(args.job, order, args.every, overrides + extra)
-                result["runs"][name] = run
-                report(name, run, result["cpu"], flags)
-    points = [e for run in result["runs"].values() for e in run["errors"].values() if e["in_band"] is not None]
+                runs = result["runs"][name] = []
+                for repeat in range(args.repeats):
+                    runs.append(run_recorded(args.job, order, args.every, overrides + extra))
+                    report(f"{name} run {repeat + 1}/{args.repeats}", runs[-1], result["cpu"], flags)
+                if args.repeats > 1:
+                    report_cell(name, runs)
+    result["load_after"] = os.getloadavg()
+    points = [e for runs in result["runs"].values() for run in runs for e in run["errors"].values()
+              if e["in_band"] is not None]
     if points:
         print(f"band coverage: {sum(e['in_band'] for e in points)} of {len(points)} points held the time left")
+    print(f"load after: {' '.join(f'{x:.2f}' for x in result['load_after'])}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
+
+
+def spread(values: list[float]) -> str:
+    """mean [min..max] of the values that are there (a run may have no estimate at a point yet)."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    return f"{sum(values) / len(values):+.1f} [{min(values):+.1f}..{max(values):+.1f}] ({len(values)})"
+
+
+def report_cell(name: str, runs: list[dict]) -> None:
+    """Each point's errors over the cell's runs: mean [min..max] (runs with a value)."""
+    print(f"{name}: {len(runs)} runs, wall {min(r['wall_s'] for r in runs)}-{max(r['wall_s'] for r in runs)} s")
+    print(f"  {'point':>5} {'job ETA error %':>30} {'tokens-left error %':>30} {'in band':>8}")
+    for point in (f"{round(p * 100)}%" for p in POINTS):
+        at = [r["errors"][point] for r in runs if point in r["errors"]]
+        held = [e["in_band"] for e in at if e["in_band"] is not None]
+        print(f"  {point:>5} {spread([e['job_error_pct'] for e in at]):>30} "
+              f"{spread([e['tokens_error_pct'] for e in at]):>30} {f'{sum(held)}/{len(held)}':>8}")
+    firsts = [r["first_estimate"]["error_pct"] for r in runs if r["first_estimate"]]
+    print(f"  first estimate error %: {spread(firsts)}")
 
 
 def report(name: str, run: dict, cpu: str, flags: str) -> None:

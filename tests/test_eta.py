@@ -54,7 +54,7 @@ class SyntheticJob:
                                        arrival_index=i))
         self.eta = EtaEstimator(**POOL, rows_to_read=0, window=8192, bucketing=False, longest_first=False,
                                 prior=prior, saved=saved, clock=self.clock, wall_clock=self.clock, min_interval_s=0)
-        self.total, self.done = len(outputs), 0
+        self.total, self.done, self.generated = len(outputs), 0, 0
 
     def step(self) -> None:
         plan = self.scheduler.schedule()
@@ -62,7 +62,8 @@ class SyntheticJob:
         rng, jitter = self.jitter
         seconds = self.step_time(shape) * rng.uniform(1 - jitter, 1 + jitter)
         self.clock.t += seconds
-        self.eta.observe_step(shape, seconds)
+        self.generated += len(plan.sampling)
+        self.eta.observe_step(shape, seconds, self.generated)
         sampled = [(r, int(len(r.output_token_ids) + 1 == self.outputs[int(r.request_id)]), None)
                    for r in plan.sampling]
         for request in self.scheduler.update(plan, sampled):
@@ -259,6 +260,28 @@ def test_a_class_with_rows_of_its_own_is_not_read_through_its_neighbours():
     lengths = OutputLengths([(40, 10, False)] * 3 + [(100, 30, True)] * 20)
     lengths.fit(running=[])
     assert lengths.expected(0, 200, 50) > 100
+
+
+def test_tokens_left_count_down_between_simulations_and_hold_in_shortest_first_order():
+    # as in the sample job: questions stop early, articles to summarise run to their small max_tokens, instructions
+    # stop at 40-100 of 128; bucketed shortest first behind the feed's pilot. The bench once read a forecast 10-20 s
+    # old against the tokens left at its own time (+29 %): the estimate did not count its tokens down
+    kinds = [(30, 200, 8 + i % 20) if i % 3 == 0 else (600 + 40 * (i % 9), 20 + i % 30, 20 + i % 30) if i % 3 == 1
+             else (150, 128, 40 + (i * 7) % 60) for i in range(60)]    # (prompt tokens, max_tokens, generated)
+    keys = admission_keys([WorkItem(p, 1) for p, *_ in kinds], True, 8192, False, pilot=0.1)
+    rows = sorted(kinds, key=lambda row: keys[kinds.index(row)])
+    job = SyntheticJob([n for *_, n in rows], [p for p, *_ in rows], max_tokens=[m for _, m, _ in rows])
+    job.eta.min_interval_s = 1e9   # simulate again only after a quarter of the time run so far
+    total = sum(n for *_, n in rows)
+    for rows_done in (15, 30, 45):
+        job.run_until(rows_done)
+        job.eta._next_simulation = 0   # a simulation now, at this point of the run
+        forecast = job.eta.estimate(job.scheduler, []).output_tokens_left
+        assert abs(forecast / (total - job.generated) - 1) < 0.1, (rows_done, forecast, total - job.generated)
+        before = job.generated
+        for _ in range(5):
+            job.step()
+        assert job.eta.estimate(job.scheduler, []).output_tokens_left == forecast - (job.generated - before)
 
 
 def test_deadline_verdict_reads_the_band():

@@ -1,10 +1,11 @@
 """Time left for a running job from the work left, not the rows left, priced by the planner's step model.
 
 Each engine step the runner records the step's shape and time. Every so often the step-time model
-t = a + b x tokens + c x context + d x prefill pairs (the fit `batchrun plan --calibrate` uses) is refitted on the recent steps and
-the work left is simulated over the real scheduler: the engine's running requests as they stand (their KV in the
-cache), its waiting ones, the rows read but not admitted, and the rows not read yet (prompt lengths drawn from
-the rows read so far, bucketed as the feed will). Output lengths come from the rows finished so far, with the
+t = a + b x tokens + c x context + d x prefill pairs (the fit `batchrun plan --calibrate` uses) is refitted, recent
+steps weighing more and checked on the most recent ones (stepmodel/recent_fit.py), and the work left is simulated
+over the real scheduler: the engine's running requests as they stand (their KV in the cache), its waiting ones, the
+rows read but not admitted, and the rows not read yet (prompt lengths drawn from the rows read so far, bucketed as
+the feed will). Output lengths come from the rows finished so far, with the
 running ones and those cut by max_tokens as lower bounds (Kaplan-Meier), since outputs stop early and short ones
 finish first. While long prompts keep the KV pool full, the steps cannot tell a context token's cost from the
 step's own; the fit then leans on a prior from the bytes each reads (costmodel.ContextPrior).
@@ -24,7 +25,8 @@ import numpy as np
 
 from batchrun.job.eta_band import band, length_spread, step_spread
 from batchrun.job.output_lengths import KEEP, OutputLengths
-from batchrun.stepmodel.costmodel import ContextPrior, LinearModel, ModelSpec, StepShape, fit_linear
+from batchrun.stepmodel.costmodel import ContextPrior, LinearModel, ModelSpec, StepShape
+from batchrun.stepmodel.recent_fit import TOLERANCE, fit_recent
 from batchrun.stepmodel.simulate import WorkItem, simulate, timeline
 
 log = logging.getLogger("batchrun.job")
@@ -44,11 +46,12 @@ class Eta:
     low: float | None = None    # p10 and p90 of the seconds left (eta_band), None when not known
     high: float | None = None
 
-    def aged(self, seconds: float) -> "Eta":
-        """The same estimate `seconds` later (the finish time stays)."""
+    def aged(self, seconds: float, tokens: int = 0) -> "Eta":
+        """The same estimate `seconds` and `tokens` generated later (the finish time stays)."""
         def left(x):
             return None if x is None else max(0.0, x - seconds)
-        return Eta(left(self.seconds_left), self.finish_at, self.output_tokens_left, left(self.low), left(self.high))
+        return Eta(left(self.seconds_left), self.finish_at, max(0, self.output_tokens_left - tokens), left(self.low),
+                   left(self.high))
 
 
 class EtaEstimator:
@@ -73,7 +76,8 @@ class EtaEstimator:
         self._bootstrap = random.Random(1)                   # the band's resamples (eta_band)
         self._run_steps, self._run_step_s = 0, 0.0
         self._run_start: float | None = None
-        self._last: tuple[float, Eta] | None = None          # (clock at the simulation, its estimate)
+        self._last: tuple[float, int, Eta] | None = None     # (clock and output tokens at the simulation, its estimate)
+        self._output_tokens = 0                              # generated so far, as the engine counts them
         self._recent: deque[tuple[float, float]] = deque(maxlen=3)   # (clock, seconds left) of the last simulations
         self._next_simulation = 0.0                          # clock time of the next simulation
         self._warned = False
@@ -100,10 +104,13 @@ class EtaEstimator:
                   prefix_caching=config.enable_prefix_caching, rows_to_read=rows_to_read, window=batching.window,
                   bucketing=batching.bucketing, longest_first=batching.longest_first, prior=context_prior(engine),
                   saved=saved)
-        engine.observe(lambda stats: eta.observe_step(stats.shape, stats.step_time))
+        engine.observe(lambda stats: eta.observe_step(stats.shape, stats.step_time, stats.output_tokens))
         return eta
 
-    def observe_step(self, shape: StepShape, seconds: float) -> None:
+    def observe_step(self, shape: StepShape, seconds: float, output_tokens: int = 0) -> None:
+        """output_tokens: generated so far (cumulative), to count the estimate's tokens left down between
+        simulations."""
+        self._output_tokens = output_tokens
         if self._run_start is None:
             self._run_start = self.clock() - seconds
         self._run_steps += 1
@@ -129,8 +136,8 @@ class EtaEstimator:
             self._resimulate(now, scheduler, queued)
         if self._last is None:
             return None
-        at, eta = self._last
-        return eta.aged(now - at)
+        at, tokens, eta = self._last
+        return eta.aged(now - at, self._output_tokens - tokens)
 
     def _resimulate(self, now: float, scheduler, queued) -> None:
         fitted = self._fit()
@@ -156,7 +163,7 @@ class EtaEstimator:
         self._recent.append((now, eta.seconds_left))
         left = float(np.median([seconds - (now - at) for at, seconds in self._recent]))
         scale = left / eta.seconds_left if eta.seconds_left > 0 else 1.0   # the band moves with the point
-        self._last = (now, Eta(left, self.wall_clock() + left, eta.output_tokens_left,
+        self._last = (now, self._output_tokens, Eta(left, self.wall_clock() + left, eta.output_tokens_left,
                                None if eta.low is None else eta.low * scale,
                                None if eta.high is None else eta.high * scale))
 
@@ -170,15 +177,15 @@ class EtaEstimator:
         shapes = [StepShape(t, s, c, p) for t, s, c, p, _ in self.steps]
         times = [seconds for *_, seconds in self.steps]
         try:
-            model = fit_linear(shapes, times, holdout_every=0, prior=self.prior)
+            fitted = fit_recent(shapes, times, prior=self.prior)
         except (ValueError, np.linalg.LinAlgError):
             return None
-        model.scale = sum(times) / max(sum(model.step_time(s) for s in shapes), 1e-12)
+        model = fitted.model
         if self._run_steps >= MIN_STEPS and self._run_step_s > 0:
             self.overhead = max(1.0, (self.clock() - self._run_start) / self._run_step_s)
         half = max(shape.tokens for shape in shapes) / 2
         return (model, (half if sum(shape.tokens <= half for shape in shapes) < MIN_SMALL_STEPS else 0),
-                step_spread(model, shapes, times))
+                step_spread(model, shapes, times, TOLERANCE if fitted.miss is None else fitted.miss))
 
     def _simulate(self, model: LinearModel, unseen_up_to: float, steps_spread: tuple[float, float], running,
                   waiting, queued_rows) -> Eta | None:

@@ -46,17 +46,18 @@ def length_spread(lengths: OutputLengths, running: list[tuple[int, int]], rows: 
     return float(np.quantile(ratios, 0.1)), float(np.quantile(ratios, 0.9))
 
 
-def step_spread(model: LinearModel, shapes: list[StepShape], times: list[float]) -> tuple[float, float]:
-    """p10 and p90 of measured / priced time over blocks of consecutive recent steps."""
+def step_spread(model: LinearModel, shapes: list[StepShape], times: list[float], miss: float = 0.0
+                ) -> tuple[float, float]:
+    """p10 and p90 of measured / priced time over blocks of consecutive recent steps, widened to 1 -+ |miss|: how far
+    the fit before the most recent steps priced those off (recent_fit), the fit's error on steps it has not seen."""
     shapes, times = shapes[-RECENT_STEPS:], times[-RECENT_STEPS:]
     ratios = []
     for start in range(0, len(shapes) - STEP_BLOCK + 1, STEP_BLOCK):
         priced = sum(model.step_time(s) for s in shapes[start:start + STEP_BLOCK])
         if priced > 0:
             ratios.append(sum(times[start:start + STEP_BLOCK]) / priced)
-    if len(ratios) < 2:
-        return 1.0, 1.0
-    return float(np.quantile(ratios, 0.1)), float(np.quantile(ratios, 0.9))
+    low, high = (float(np.quantile(ratios, 0.1)), float(np.quantile(ratios, 0.9))) if len(ratios) >= 2 else (1, 1)
+    return min(low, 1 - abs(miss)), max(high, 1 + abs(miss))
 
 
 def band(seconds: float, lengths: tuple[float, float], steps: tuple[float, float]) -> tuple[float, float]:

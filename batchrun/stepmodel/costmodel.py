@@ -264,25 +264,29 @@ class ContextPrior:
 
 
 def fit_linear(shapes: list[StepShape], times: list[float], holdout_every: int = 5,
-               prior: ContextPrior | None = None) -> LinearModel:
+               prior: ContextPrior | None = None, weights=None) -> LinearModel:
     """Least squares with non-negative coefficients on all but every `holdout_every`-th step; those are held out to
-    report the error (holdout_every=0: fit on every step, no held-out error)."""
+    report the error (holdout_every=0: fit on every step, no held-out error). weights: each step's weight in the
+    fit and in the robust spread that judges outliers (recent_fit weighs recent steps more); None: all equal."""
     need = max(2 * holdout_every, 3)
     if len(shapes) < need:
         raise ValueError(f"calibration: {len(shapes)} measured steps are too few to fit and check the step-time "
                          f"model (need at least {need}); run a longer pilot (--pilot-fraction)")
     x = np.array([[1.0, s.tokens, s.kv_tokens, s.prefill_pairs] for s in shapes], dtype=float)
     y = np.array(times, dtype=float)
+    w = np.ones(len(y)) if weights is None else np.asarray(weights, dtype=float)
+    root = np.sqrt(w)[:, None]
     held = (np.arange(len(y)) % holdout_every == holdout_every - 1) if holdout_every else np.zeros(len(y), bool)
     train = ~held
     # steps of one token count only (so far, full prefill chunks): a and b cannot be told apart; the time goes to b
     if np.ptp(x[:, 1]) == 0:
         x[:, 0], prior = 0.0, None
     for _ in range(3):   # a shared CPU stalls now and then: drop steps far off the fit (3 robust sigmas), refit
-        extra_x, extra_y = prior.row(x[train], y[train]) if prior else (np.zeros((0, x.shape[1])), np.zeros(0))
-        coef = _nonneg_lstsq(np.vstack([x[train], extra_x]), np.concatenate([y[train], extra_y]))
+        wx, wy = x[train] * root[train], y[train] * root[train, 0]
+        extra_x, extra_y = prior.row(wx, wy) if prior else (np.zeros((0, x.shape[1])), np.zeros(0))
+        coef = _nonneg_lstsq(np.vstack([wx, extra_x]), np.concatenate([wy, extra_y]))
         res = y - x @ coef
-        sigma = _robust_sigma(res[train])
+        sigma = _robust_sigma(res[train], None if weights is None else w[train])
         keep = ~held & (np.abs(res) <= 3 * sigma)
         if keep.sum() < 3 or (keep == train).all():
             break
@@ -294,9 +298,14 @@ def fit_linear(shapes: list[StepShape], times: list[float], holdout_every: int =
                        heldout_total_error=float(total), steps=len(y), outliers=int((~held & ~train).sum()))
 
 
-def _robust_sigma(residuals: np.ndarray) -> float:
-    """The residuals' standard deviation from their median absolute value (stalls do not inflate it)."""
-    return 1.4826 * float(np.median(np.abs(residuals))) + 1e-9
+def _robust_sigma(residuals: np.ndarray, weights: np.ndarray | None = None) -> float:
+    """The residuals' standard deviation from their (weighted) median absolute value (stalls do not inflate it)."""
+    size = np.abs(residuals)
+    if weights is None:
+        return 1.4826 * float(np.median(size)) + 1e-9
+    order = np.argsort(size)
+    cumulative = np.cumsum(weights[order])
+    return 1.4826 * float(size[order][np.searchsorted(cumulative, cumulative[-1] / 2)]) + 1e-9
 
 
 def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:

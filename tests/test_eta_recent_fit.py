@@ -1,0 +1,99 @@
+"""The running job's step-time fit on a synthetic clock: recent steps weigh more (a load change half-way is followed,
+where the fit of every step alike misprices), a fit is trusted only when the steps before the most recent ones
+price those (otherwise the level falls back to theirs and the band widens), and a burst of stalls does not move
+the coefficients."""
+import copy
+
+import numpy as np
+import pytest
+
+import batchrun.stepmodel.recent_fit as recent_fit
+from batchrun.engine.step_stats import StepShape
+from batchrun.stepmodel.costmodel import fit_linear
+from batchrun.stepmodel.recent_fit import fit_recent
+from test_eta import SyntheticJob, prefill_law
+
+
+class Machine:
+    """The prefill law, times a load factor the test changes (another process takes part of the CPU)."""
+
+    def __init__(self):
+        self.load = 1.0
+
+    def __call__(self, shape: StepShape) -> float:
+        return self.load * prefill_law(shape)
+
+
+def loaded_job(rows: int = 120) -> tuple[SyntheticJob, Machine]:
+    machine = Machine()
+    job = SyntheticJob([20 + (i * 13) % 41 for i in range(rows)], [10 + (i * 17) % 50 for i in range(rows)],
+                       jitter=0.05, step_time=machine)
+    return job, machine
+
+
+def record(job: SyntheticJob) -> tuple[list[StepShape], list[float]]:
+    return [StepShape(t, s, c, p) for t, s, c, p, _ in job.eta.steps], [seconds for *_, seconds in job.eta.steps]
+
+
+def priced_over_measured(model, shapes, times) -> float:
+    return sum(model.step_time(s) for s in shapes) / sum(times)
+
+
+def test_a_load_change_half_way_is_followed_by_the_weighted_fit():
+    job, machine = loaded_job()
+    job.run_until(60)
+    machine.load = 1.6           # the machine slows down half-way, for good
+    job.run_until(90)
+    shapes, times = record(job)
+    since = len(shapes) // 4     # the steps since well after the change
+    fitted = fit_recent(shapes, times)
+    assert fitted.trusted and abs(priced_over_measured(fitted.model, shapes[-since:], times[-since:]) - 1) < 0.04
+    # every step alike, stalls put back over the whole record (the fit before): the old speed still counts
+    old = fit_linear(shapes, times, holdout_every=0)
+    old.scale = sum(times) / sum(old.step_time(s) for s in shapes)
+    assert priced_over_measured(old, shapes[-since:], times[-since:]) - 1 < -0.12
+    eta = job.eta.estimate(job.scheduler, [])
+    truth = job.time_to_finish()
+    assert abs(eta.seconds_left / truth - 1) < 0.08, (eta, truth)
+
+
+def test_right_after_a_load_change_the_fit_is_not_trusted_and_the_recent_level_prices_the_rest(monkeypatch):
+    estimates, checked = {}, recent_fit.TOLERANCE
+    for tolerance in (checked, np.inf):   # inf: every fit trusted, no held-out check
+        monkeypatch.setattr(recent_fit, "TOLERANCE", tolerance)
+        job, machine = loaded_job()
+        job.run_until(60)
+        machine.load = 1.6
+        for _ in range(2 * recent_fit.MIN_HELD):
+            job.step()
+        shapes, times = record(job)
+        fitted = fit_recent(shapes, times)
+        eta = job.eta.estimate(job.scheduler, [])
+        estimates[tolerance] = (fitted, eta, copy.deepcopy(job).time_to_finish())
+    fitted, eta, truth = estimates[checked]
+    # the fit before the held-out steps priced them at the old speed: 1 / 1.6 - 1 = -37.5 %
+    assert not fitted.trusted and fitted.miss == pytest.approx(-0.375, abs=0.05)
+    assert abs(eta.seconds_left / truth - 1) < 0.1 and eta.low <= truth <= eta.high, (eta, truth)
+    assert (eta.high - eta.low) / eta.seconds_left > 0.6         # widened by the miss, both ways
+    trusting, unchecked, truth = estimates[np.inf]
+    assert trusting.trusted and unchecked.seconds_left / truth - 1 < -0.15, (unchecked, truth)
+
+
+def test_a_burst_of_stalls_does_not_move_the_fit():
+    job, _ = loaded_job()
+    job.run_until(80)
+    shapes, times = record(job)
+    clean = fit_recent(shapes, times)
+    stalled = list(times)
+    for i in range(-30, -22):      # a GC pause: 8 steps in a row 0.2 s late, among the held-out steps
+        stalled[i] += 0.2
+    burst = fit_recent(shapes, stalled)
+    assert burst.trusted and abs(burst.miss - clean.miss) < 0.01
+    assert burst.model.outliers >= 8
+
+    def unscaled(fitted) -> float:   # the record's steps as the coefficients price them, stalls not put back
+        return priced_over_measured(fitted.model, shapes, times) / fitted.model.scale
+    assert unscaled(burst) == pytest.approx(unscaled(clean), rel=0.005)
+    # its time comes back as its share of the record's time (stalls recur), not through the coefficients
+    share = 8 * 0.2 / sum(times)
+    assert burst.model.scale / clean.model.scale - 1 == pytest.approx(share, rel=0.1)
