@@ -14,7 +14,8 @@ activations; ms, lower is better):
 
 So linear.py picks: W8A8 -> oneDNN qlinear (2.2-2.9x the bf16 path at decode; 0.3x at a 1,024-row prefill
 chunk in that run, where the float32 result was scaled out of place: with the result in the activations' dtype
-scaled in place, one 0.3B gate/up product at 1,024 rows takes 16 ms against packed bf16's 22, one thread; _int_mm was faster on SmolLM2's small decode products in this single noisy run but 2x
+scaled in place, one 0.3B gate/up product at 1,024 rows takes 16 ms (plus 4.7 ms to quantize the activations
+eagerly) against packed bf16's 22, one thread; _int_mm was faster on SmolLM2's small decode products in this single noisy run but 2x
 slower than oneDNN on the 0.3B shapes, not re-measured), W8A16 -> _weight_int8pack_mm (the only int8-weight,
 16-bit-activation kernel shipped; slower than bf16), fp8 -> the widening emulation (torch._scaled_mm on the CPU
 is slower still at decode), int4 -> the int4pack kernel (1.6x bf16 on SmolLM2's decode, 0.84x on the 0.3B
