@@ -1,0 +1,107 @@
+"""Where a running job's time left goes wrong: the schedule it simulates, or the price it puts on each step.
+
+    python bench/eta_fit_probe.py [--job jobs/demo.yaml] [--order shortest_first|longest_first] [--set KEY=VALUE]
+
+Runs the job once, recording every engine step (shape and measured time), every step-time fit the ETA makes and
+every simulation it runs. Then, for each simulation, sets the simulated steps beside the steps that really followed
+(count, tokens, sequences, KV read, prefill pairs) and prices both with that moment's fit, against the measured time
+of the real ones; and, per fit, the priced / measured ratio of the real steps that followed it, by kind of step.
+A simulation matching the real steps with a fit pricing them high is a step-model problem, not a scheduling one.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import batchrun.job.eta as eta_module  # noqa: E402
+from batchrun.cpuinfo import cpu_model  # noqa: E402
+from batchrun.job import Job  # noqa: E402
+from batchrun.stepmodel.costmodel import StepShape  # noqa: E402
+
+BATCH_BINS = ((1, 8), (8, 16), (16, 24), (24, 10**9))
+
+
+def record(job: str, order: str, overrides: list[str]) -> tuple[list, dict, list]:
+    """(steps [(tokens, seqs, kv_tokens, attn_pairs, seconds)], {steps seen: fit}, [(steps seen, trace)])."""
+    steps, fits, sims = [], {}, []
+    estimator = eta_module.EtaEstimator
+    real_observe, real_fit, real_simulate = estimator.observe_step, estimator._fit, eta_module.simulate
+
+    def observe(self, shape, seconds, output_tokens=0):
+        steps.append((shape.tokens, shape.seqs, shape.kv_tokens, shape.attn_pairs, seconds))
+        return real_observe(self, shape, seconds, output_tokens)
+
+    def fit(self):
+        fitted = real_fit(self)
+        if fitted is not None:
+            fits[len(steps)] = fitted[0]
+        return fitted
+
+    def simulate(items, *args, **kwargs):
+        trace = real_simulate(items, *args, **kwargs)
+        sims.append((len(steps), trace))
+        return trace
+
+    estimator.observe_step, estimator._fit, eta_module.simulate = observe, fit, simulate
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            Job.from_yaml(job, [f"output.path={out}/run", "output.log_every_s=60",
+                                f"batching.longest_first={str(order == 'longest_first').lower()}", *overrides]
+                          ).run(progress="log")
+    finally:
+        estimator.observe_step, estimator._fit, eta_module.simulate = real_observe, real_fit, real_simulate
+    return steps, fits, sims
+
+
+def report(steps: list, fits: dict, sims: list) -> None:
+    def price(model, shapes):
+        return np.array([model.step_time(shape) for shape in shapes])
+
+    real_shapes = [StepShape(*step[:4]) for step in steps]
+    measured = np.array([step[-1] for step in steps])
+    print("simulated / real steps after each simulation, and both priced by that moment's fit")
+    for at, trace in sims:
+        sim = [sum(getattr(s, f) for s in trace.shapes) for f in ("tokens", "seqs", "kv_tokens", "attn_pairs")]
+        real = [sum(step[i] for step in steps[at:]) for i in range(4)]
+        line = (f"  after step {at}: steps {len(trace.shapes)}/{len(steps) - at}, tokens {sim[0]}/{real[0]}, "
+                f"seqs {sim[1]}/{real[1]}, kv {sim[2]}/{real[2]}, prefill pairs {sim[3]}/{real[3]}")
+        if at in fits:
+            line += (f"; priced {price(fits[at], trace.shapes).sum():.1f} / {price(fits[at], real_shapes[at:]).sum():.1f}"
+                     f" s, measured {measured[at:].sum():.1f} s")
+        print(line)
+    print("each fit's priced / measured over the real steps that followed it")
+    for at, model in fits.items():
+        rest, priced = measured[at:], price(model, real_shapes[at:])
+        tokens = np.array([s.tokens for s in real_shapes[at:]])
+        seqs = np.array([s.seqs for s in real_shapes[at:]])
+        parts = [f"all {priced.sum() / max(rest.sum(), 1e-9):.3f}"]
+        for lo, hi in BATCH_BINS:
+            kind = (seqs >= lo) & (seqs < hi) & (tokens <= seqs)   # decode steps of that batch size
+            if kind.any():
+                parts.append(f"decode {lo}-{min(hi - 1, seqs.max())} seqs {priced[kind].sum() / rest[kind].sum():.3f}"
+                             f" ({kind.sum()})")
+        prefill = tokens > seqs
+        if prefill.any():
+            parts.append(f"with prefill {priced[prefill].sum() / rest[prefill].sum():.3f} ({prefill.sum()})")
+        print(f"  fit at step {at}: " + ", ".join(parts))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--job", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                  "jobs", "demo.yaml"))
+    ap.add_argument("--order", default="shortest_first", choices=("shortest_first", "longest_first"))
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a job-file override")
+    args = ap.parse_args()
+    print(f"CPU: {cpu_model()}; job {args.job}, {args.order}, overrides {args.set}")
+    report(*record(args.job, args.order, args.set))
+
+
+if __name__ == "__main__":
+    main()
