@@ -77,7 +77,7 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache, 
       const int64_t b = task / split, h_lo = (task % split) * task_heads, end_pos = lens[b];
       const int64_t lo = window > 0 ? std::max<int64_t>(0, end_pos - window) : 0;
       const Q* q_row = q_ptr + (b * heads + h_lo * group) * dim;
-      for (int64_t g = 0; g < qheads; ++g) {   // the query once to float32, scale folded in
+      for (int64_t g = 0; g < qheads && !kDots; ++g) {   // the query once to float32, scale folded in
         batchrun::row_to_float(q_row + g * dim, qs.data() + g * pdim, dim, static_cast<float>(scale));
       }
       std::fill(acc.begin(), acc.end(), 0.f);
