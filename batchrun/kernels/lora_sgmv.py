@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from batchrun.kernels.dot_precision import dot_precision
+
 BLOCK_M = 16     # rows per tile: tl.dot needs at least 16
 BLOCK_R = 16     # rank columns per program (shrink) and per reduction step (expand)
 BLOCK_K = 64
@@ -78,7 +80,7 @@ def shrink(x: torch.Tensor, a: torch.Tensor, table: torch.Tensor, max_rank: int)
     if len(table):
         grid = (len(table), triton.cdiv(max_rank, BLOCK_R))
         _shrink_kernel[grid](x, a, h, table, x.shape[1], x.stride(0), a.stride(0), h.stride(0), BLOCK_M=BLOCK_M,
-                             BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, DOT_PRECISION=_precision(x))
+                             BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, DOT_PRECISION=dot_precision(x.dtype))
     return h
 
 
@@ -90,7 +92,7 @@ def expand(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, table: torch.Tenso
     if len(table):
         grid = (len(table), triton.cdiv(y.shape[1], BLOCK_N))
         _expand_kernel[grid](h, b, y, table, y.shape[1], h.stride(0), b.stride(0), y.stride(0), BLOCK_M=BLOCK_M,
-                             BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, DOT_PRECISION=_precision(h))
+                             BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, DOT_PRECISION=dot_precision(h.dtype))
 
 
 def _check(t: torch.Tensor, w: torch.Tensor, name: str, fits: bool) -> None:
@@ -101,6 +103,3 @@ def _check(t: torch.Tensor, w: torch.Tensor, name: str, fits: bool) -> None:
     if w.dtype != t.dtype:
         raise ValueError(f"lora sgmv: {name} is {w.dtype}, the operand {t.dtype}")
 
-
-def _precision(x: torch.Tensor) -> str:
-    return "ieee" if x.dtype == torch.float32 else "tf32"   # tf32 is ignored for 16-bit operands

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from batchrun.kernels.cache_write import NONE, quant_mode
+from batchrun.kernels.dot_precision import dot_precision
 
 LOG2E = 1.4426950408889634
 SPLIT_MIN_TOKENS = 512      # a split-KV program gets at least this many tokens
@@ -215,8 +216,7 @@ def _check_cache(query, k_cache, v_cache, k_scale, v_scale) -> int:
 def _common(query, k_cache, k_scale, scale):
     """Arguments shared by both kernels: (scale tensors' strides, dot precision, qk scale in base 2)."""
     scale_strides = k_scale.stride() if k_scale is not None else (0, 0, 0)
-    precision = "ieee" if query.dtype == torch.float32 else "tf32"   # tf32 is ignored for 16-bit operands
-    return (*k_cache.stride()[:3], *scale_strides), precision, scale * LOG2E
+    return (*k_cache.stride()[:3], *scale_strides), dot_precision(query.dtype), scale * LOG2E
 
 
 def _num_sms(device: torch.device) -> int:

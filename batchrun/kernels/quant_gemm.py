@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from batchrun.kernels.dot_precision import dot_precision
+
 BLOCK_N = 64
 BLOCK_K = 64
 
@@ -77,7 +79,7 @@ def int8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: tor
     if x.shape[0]:
         _int8_kernel[grid](x, w, scale.float().contiguous(), bias_arg, out, x.shape[0], w.shape[0], x.shape[1],
                            x.stride(0), w.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=block_m,
-                           BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_PRECISION=_precision(x))
+                           BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_PRECISION=dot_precision(x.dtype))
     return out
 
 
@@ -99,7 +101,7 @@ def int4_linear(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: t
     if x.shape[0]:
         _int4_kernel[grid](x, w, scales, zeros, bias_arg, out, x.shape[0], w.shape[0], in_features, x.stride(0),
                            w.stride(0), scales.stride(0), out.stride(0), GROUP=group_size, HAS_BIAS=bias is not None,
-                           BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_PRECISION=_precision(x))
+                           BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_PRECISION=dot_precision(x.dtype))
     return out
 
 
@@ -120,6 +122,3 @@ def _launch_args(x: torch.Tensor, out_features: int, bias: torch.Tensor | None):
     grid = (triton.cdiv(x.shape[0], block_m), triton.cdiv(out_features, BLOCK_N))
     return x, out, bias if bias is not None else out, grid, block_m
 
-
-def _precision(x: torch.Tensor) -> str:
-    return "ieee" if x.dtype == torch.float32 else "tf32"   # tf32 is ignored for 16-bit operands
