@@ -14,6 +14,7 @@ FLOORS = [
     {"stepmodel", "kvcheck"},                # below the job (its ETA, its KV gate) and the planner
     {"job"},
     {"planner", "server"},
+    {"cli_types"},                           # the command line's checked number flags
     {"gpucheck", "cli"},
 ]
 ROOT = os.path.dirname(batchrun.__file__)
