@@ -23,6 +23,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False              # return the log-probability of each chosen token
+    # return the log-probability of each prompt token given those before it (none for the first): the prompt's
+    # teacher-forced likelihood. Such a prompt is computed in full, never served from the prefix cache.
+    prompt_logprobs: bool = False
     n: int = 1                          # samples per prompt; the prompt is prefilled once and its blocks shared
     # Structured outputs (one at most): the output must match it; a complete match ends the request ("stop").
     json_schema: dict[str, Any] | str | None = None
@@ -49,7 +52,7 @@ class SamplingParams:
         _integer(self.n, "n", 1, MAX_N, f"a positive integer (at most {MAX_N})")
         if self.seed is not None:
             _integer(self.seed, "seed", SEED_MIN, SEED_MAX, f"an integer in [{SEED_MIN}, {SEED_MAX}]")
-        for name in ("ignore_eos", "logprobs", "json_object"):
+        for name in ("ignore_eos", "logprobs", "prompt_logprobs", "json_object"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be true or false, got {_show(getattr(self, name))}")
         if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):

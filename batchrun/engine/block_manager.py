@@ -37,9 +37,10 @@ class BlockManager:
     def get_computed_blocks(self, request: Request) -> list[int]:
         """Leading full blocks of the request's tokens already in the cache (verified, not only hashed).
 
-        Capped one token short of the request so the last token's logits are computed.
+        Capped one token short of the request so the last token's logits are computed. None for a request that
+        asks for its prompt's logprobs: those come from computing every prompt token.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.params.prompt_logprobs:
             return []
         tokens = request.token_ids
         max_blocks = (len(tokens) - 1) // self.block_size

@@ -226,7 +226,9 @@ class Engine:
         clock.lap("schedule_s")
         if plan.scheduled:
             self.stats.prompt_tokens += plan.num_prompt_tokens
-            logits, sample_reqs = self.runner.run(plan, self._pool_of)
+            logits, sample_reqs, scored = self.runner.run(plan, self._pool_of)
+            for request, values in scored:
+                request.prompt_logprobs.extend(values)
             clock.lap("forward_s")
             failed: dict[Request, str] = {}   # request -> why it ends now, alone
             logits, sample_reqs = self._fork(logits, sample_reqs, failed)
@@ -323,6 +325,7 @@ class Engine:
             params = dataclasses.replace(params, seed=sample_seed(params.seed, index))
         sibling = Request(parent.request_id, list(parent.prompt_token_ids), params, parent.lane, parent.priority,
                           parent.order_key, arrival_time=parent.arrival_time, sample_index=index)
+        sibling.prompt_logprobs = list(parent.prompt_logprobs)
         error = self._attach_grammar(sibling)
         if error:
             failed[sibling] = error
@@ -359,6 +362,7 @@ class Engine:
             token_ids=request.output_token_ids, text=request.text if done else None, finished=done,
             finish_reason=request.finish_reason, error=request.error,
             logprobs=list(request.logprobs) if request.params.logprobs else None,
+            prompt_logprobs=[None, *request.prompt_logprobs] if request.params.prompt_logprobs else None,
             cached_tokens=request.num_cached_tokens,
             time_to_first_token=(request.first_token_time - request.arrival_time) if request.first_token_time else None,
             latency=(request.finish_time - request.arrival_time) if done else None, sample_index=request.sample_index,

@@ -8,6 +8,7 @@ import torch
 from batchrun.attention_metadata import AttentionMetadata, DecodeGroup, PrefillChunk, Segment
 from batchrun.engine.kv_cache import KVPool
 from batchrun.engine.request import Request
+from batchrun.engine.sampler import token_logprobs
 from batchrun.engine.scheduler import StepPlan
 from batchrun.kernels import quant
 from batchrun.engine.lora import projection as lora
@@ -104,21 +105,30 @@ class ModelRunner:
             return request, 0, request.num_tokens
         return request, request.num_computed_tokens, n
 
-    def run(self, plan: StepPlan, pool_of: Callable[[Request], int]) -> tuple[torch.Tensor, list[Request]]:
-        """Forward the planned tokens; returns logits [S, vocab] for the S requests that sample this step."""
-        inputs, sample_reqs, row_adapters = self.prepare(plan, pool_of)
+    def run(self, plan: StepPlan, pool_of: Callable[[Request], int]
+            ) -> tuple[torch.Tensor, list[Request], list[tuple[Request, list[float]]]]:
+        """Forward the planned tokens; returns logits [S, vocab] for the S requests that sample this step, and the
+        prompt-token logprobs computed this step for the requests that asked for them."""
+        inputs, sample_reqs, row_adapters, scored = self.prepare(plan, pool_of)
         with lora.step(self.adapters.update(row_adapters) if self.adapters is not None else None):
-            return self.execute(inputs), sample_reqs
+            logits = self.execute(inputs)
+        num_sampled = len(sample_reqs)
+        if not scored.requests:
+            return logits, sample_reqs, []
+        values = token_logprobs(logits[num_sampled:], scored.targets(self.device))
+        return logits[:num_sampled], sample_reqs, scored.split(values)
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         return self.model(*inputs)
 
     def prepare(self, plan: StepPlan, pool_of: Callable[[Request], int]
-                ) -> tuple[StepInputs, list[Request], list[str | None]]:
+                ) -> tuple[StepInputs, list[Request], list[str | None], "PromptScoring"]:
         """The forward's inputs for the plan (what a tensor-parallel rank 0 sends its workers), the requests that
-        sample, in the order of the logits rows, and each token row's adapter."""
+        sample, in the order of the logits rows, each token row's adapter, and the prompt positions whose next
+        token is scored (their logits rows follow the sampled ones)."""
         input_ids, positions, sample_rows, sample_reqs, segments, row_adapters = [], [], [], [], [], []
+        scored = PromptScoring()
         for pool in sorted({pool_of(r) for r, _ in plan.scheduled}):
             scheduled = [self._span(r, n) for r, n in plan.scheduled if pool_of(r) == pool]
             # Decodes (one new token) first, by context length, so their rows form a few vectorised groups; each
@@ -138,12 +148,43 @@ class ModelRunner:
                 if start + n == request.num_tokens:
                     sample_rows.append(len(input_ids) - 1)
                     sample_reqs.append(request)
+                if request.params.prompt_logprobs:
+                    scored.add(request, start, n, first_row=len(input_ids) - n)
             meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=self.device),
                                      decode_groups=self._decode_groups([r for r, _, _ in decodes]), prefills=chunks)
             segments.append(Segment(seg_start, len(input_ids), pool, meta))
         inputs = StepInputs(torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),
-                            segments, torch.tensor(sample_rows, device=self.device, dtype=torch.long))
-        return inputs, sample_reqs, row_adapters
+                            segments, torch.tensor(sample_rows + scored.rows, device=self.device, dtype=torch.long))
+        return inputs, sample_reqs, row_adapters, scored
+
+
+class PromptScoring:
+    """The prompt positions of a step whose next prompt token is scored (SamplingParams.prompt_logprobs): each
+    position not scored before (a recompute after preemption skips those), up to the prompt's second-last token."""
+
+    def __init__(self):
+        self.rows: list[int] = []
+        self.target_ids: list[int] = []
+        self.requests: list[tuple[Request, int]] = []   # (request, how many of the rows are its)
+
+    def add(self, request: Request, start: int, n: int, first_row: int) -> None:
+        first = max(start, len(request.prompt_logprobs))
+        last = min(start + n, request.num_prompt_tokens - 1)
+        if first >= last:
+            return
+        self.rows.extend(range(first_row + first - start, first_row + last - start))
+        self.target_ids.extend(request.prompt_token_ids[first + 1:last + 1])
+        self.requests.append((request, last - first))
+
+    def targets(self, device: torch.device) -> torch.Tensor:
+        return torch.tensor(self.target_ids, device=device, dtype=torch.long)
+
+    def split(self, values: list[float]) -> list[tuple[Request, list[float]]]:
+        out, at = [], 0
+        for request, count in self.requests:
+            out.append((request, values[at:at + count]))
+            at += count
+        return out
 
 
 def _adapter(scheduled: tuple[Request, int, int]) -> str:

@@ -37,6 +37,7 @@ class Request:
     finish_reason: str | None = None      # "stop", "length" or "error"
     error: str | None = None
     logprobs: list[float] = field(default_factory=list)
+    prompt_logprobs: list[float] = field(default_factory=list)   # of prompt tokens 1, 2, ... as computed so far
     first_token_time: float | None = None
     finish_time: float | None = None
     generator: object = None              # torch.Generator for seeded sampling
@@ -89,6 +90,7 @@ class RequestOutput:
     finish_reason: str | None
     error: str | None = None
     logprobs: list[float] | None = None
+    prompt_logprobs: list[float | None] | None = None   # [None, logprob of prompt token 1 given token 0, ...]
     cached_tokens: int = 0
     time_to_first_token: float | None = None   # seconds from arrival
     latency: float | None = None               # seconds from arrival to finish

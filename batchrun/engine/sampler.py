@@ -49,6 +49,20 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams],
     return probs.masked_fill(mass_before >= top_p[:, None], 0.0), ids
 
 
+# Rows of logits turned into log-probabilities at a time: a long prompt's rows are [tokens, vocab] float32 each.
+SCORE_ROWS = 256
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> list[float]:
+    """log p(targets[i]) under row i of logits, computed in float32 a slice of rows at a time."""
+    values = []
+    for at in range(0, logits.shape[0], SCORE_ROWS):
+        rows = logits[at:at + SCORE_ROWS].float()
+        picked = rows.gather(1, targets[at:at + SCORE_ROWS, None])[:, 0]
+        values.append(picked - rows.logsumexp(dim=-1))
+    return torch.cat(values).tolist()
+
+
 class Sampler:
     def __init__(self, seed: int = 0):
         self.seed = seed
