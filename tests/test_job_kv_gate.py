@@ -58,3 +58,28 @@ def test_kvcheck_command(tmp_path, tiny_model):
     assert "kv int8 vs auto:" in result.output and '"requests": 3' in result.output
     bad = CliRunner().invoke(main, ["kvcheck", job, "--set", "engine.kv_cache_dtype=float16"])
     assert bad.exit_code != 0 and "kvcheck compares an 8-bit KV dtype" in bad.output
+
+
+def test_gate_floor_on_the_prompts_log_likelihood(tmp_path, tiny_model):
+    job = gate_job(tmp_path, tiny_model[0], {"sample": 4, "min_identical": 0.0, "max_loglik_drop": 0.05},
+                   dtype="int8")
+    result = Job.from_yaml(job).run(progress="log")
+    gate = json.load(open(os.path.join(result.output_dir, "summary.json")))["kv_quality_gate"]
+    drop = gate["report"]["loglik_drop"]
+    assert gate["passed"] and abs(drop) < 0.05
+    assert gate["reason"].endswith(f"; prompt log-likelihood drop {drop:+.4f} per token <= max_loglik_drop 0.05")
+
+
+def test_gate_verdict_needs_both_floors():
+    from types import SimpleNamespace
+    from batchrun.job.kv_gate import verdict
+    from batchrun.kvcheck import KVCheckReport
+    report = KVCheckReport("int8", "auto", 8, 0.5, 3.0, 0.01, -0.01, prompt_loglik=-3.3,
+                           reference_prompt_loglik=-3.2, mean_abs_prompt_logprob_diff=0.1)
+    gate = SimpleNamespace(min_identical=0.25, max_loglik_drop=0.05)
+    passed, reason = verdict(report, gate)
+    assert not passed and reason.endswith("drop +0.1000 per token > max_loglik_drop 0.05")
+    assert verdict(report, SimpleNamespace(min_identical=0.25, max_loglik_drop=0.2))[0]
+    assert verdict(report, SimpleNamespace(min_identical=0.25, max_loglik_drop=None)) == (
+        True, "50.0% identical greedy outputs on 8 sample prompts >= min_identical 25.0%")
+    assert not verdict(report, SimpleNamespace(min_identical=0.75, max_loglik_drop=0.2))[0]

@@ -59,6 +59,22 @@ def kvcheck(spec: JobSpec, n: int, kv_cache_dtype: str | None = None, quantizati
     return run_kvcheck(make_llm, prompts, params, dtype, quantization=weights)
 
 
+def verdict(report: KVCheckReport, gate) -> tuple[bool, str]:
+    """(passed, why): identical greedy outputs at least min_identical and, where max_loglik_drop is set, the
+    prompts' teacher-forced log-likelihood per token no more than that below the reference's."""
+    identical = report.identical_fraction >= gate.min_identical
+    reason = (f"{report.identical_fraction:.1%} identical greedy outputs on {report.requests} sample prompts "
+              f"{'>=' if identical else '<'} min_identical {gate.min_identical:.1%}")
+    if gate.max_loglik_drop is None:
+        return identical, reason
+    drop = report.loglik_drop
+    if drop is None:   # every sample prompt is one token long: nothing to score
+        return identical, f"{reason}; no prompt token to score for max_loglik_drop"
+    likely = drop <= gate.max_loglik_drop
+    return identical and likely, (f"{reason}; prompt log-likelihood drop {drop:+.4f} per token "
+                                  f"{'<=' if likely else '>'} max_loglik_drop {gate.max_loglik_drop:g}")
+
+
 def saved_decision(out_dir: Storage | str) -> dict | None:
     text = as_storage(out_dir).read_text(DECISION_FILE)
     return None if text is None else json.loads(text)
@@ -73,10 +89,8 @@ def decide(spec: JobSpec, out_dir: Storage | str) -> dict:
     decision = saved_decision(out_dir)
     if decision is None:
         report = kvcheck(spec, gate.sample)
-        passed = report.identical_fraction >= gate.min_identical
+        passed, reason = verdict(report, gate)
         action = "kept" if passed else gate.on_fail
-        reason = (f"{report.identical_fraction:.1%} identical greedy outputs on {report.requests} sample prompts "
-                  f"{'>=' if passed else '<'} min_identical {gate.min_identical:.1%}")
         kept = passed or action == "stop"
         decision = {"report": report.as_dict(), "passed": passed, "action": action, "reason": reason,
                     "kv_cache_dtype": options.get("kv_cache_dtype", "auto") if kept else gate.fallback_dtype,

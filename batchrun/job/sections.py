@@ -46,7 +46,7 @@ def section_from(cls, name: str, skip: tuple[str, ...] = (), defaults: dict | No
 EngineSection = section_from(EngineConfig, "EngineSection", skip=("model",),
                              lane=(Literal["batch", "interactive"], "batch"))
 # logprobs: the job's output has no column for them
-SamplingSection = section_from(SamplingParams, "SamplingSection", skip=("logprobs",),
+SamplingSection = section_from(SamplingParams, "SamplingSection", skip=("logprobs", "prompt_logprobs"),
                                defaults=JOB_SAMPLING_DEFAULTS,
                                json_schema_file=(Optional[str], Field(None, description="a JSON schema file for "
                                                                       "the output, relative to the job file")))
@@ -115,6 +115,9 @@ class KVQualityGateSection(Section):
     # SmolLM2, 16 demo prompts x 64 tokens, both sides deterministic: int8 68.8 % / fp8 25.0 % identical at float32,
     # 37.5 % / 31.2 % at bfloat16 (README): 0.2 passes both at both dtypes and stops a broken quantization.
     min_identical: float = Field(0.2, ge=0, le=1)
+    # A second floor that no early divergence cuts short: the sample prompts' teacher-forced log-likelihood per token
+    # may drop by at most this much (nats) under the quantized precision. None: not gated.
+    max_loglik_drop: Optional[float] = Field(None, ge=0)
     on_fail: Literal["stop", "fallback"] = "stop"
     fallback_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
 
