@@ -100,7 +100,7 @@ def test_engine_and_sampling_keys_come_from_engine_config_and_sampling_params():
     from batchrun.job.sections import EngineSection, SamplingSection
     from batchrun.sampling_params import SamplingParams
     assert set(EngineSection.model_fields) == {f.name for f in dataclasses.fields(EngineConfig)} - {"model"} | {"lane"}
-    assert set(SamplingSection.model_fields) == ({f.name for f in dataclasses.fields(SamplingParams)} - {"logprobs"}
+    assert set(SamplingSection.model_fields) == ({f.name for f in dataclasses.fields(SamplingParams)} - {"logprobs", "prompt_logprobs"}
                                                | {"json_schema_file"})
     spec = JobSpec({"input": {"path": "in.parquet"}, "output": {"path": "out"}, "engine": {"block_size": None}})
     assert spec.engine.max_num_seqs == EngineConfig.max_num_seqs and spec.engine_options == {}   # null: not set
