@@ -126,7 +126,7 @@ def identical(a: list[list[int]], b: list[list[int]]) -> str:
 
 
 def print_table(results: dict, work_names: list[str]) -> None:
-    print(f"\n{'model':<9}{'dtype':<10}{'workload':<10}{'engine':<14}{'wall s':>8}{'out tok/s':>11}{'batchrun/x':>12}"
+    print(f"\n{'model':<14}{'dtype':<10}{'workload':<10}{'engine':<14}{'wall s':>8}{'out tok/s':>11}{'batchrun/x':>12}"
           f"{'same tokens':>13}{'cpu s':>8}{'tok/cpu-s':>11}{'batchrun/x':>12}")
     for model, runs in results["runs"].items():
         for dtype, run in runs.items():
@@ -144,9 +144,9 @@ def print_table(results: dict, work_names: list[str]) -> None:
                         per_cpu = res["output_tokens"] / res["cpu_s"]
                         cpu = (f"{res['cpu_s']:>8.1f}{per_cpu:>11.1f}"
                                f"{ours['output_tokens'] / ours['cpu_s'] / per_cpu:>11.2f}x")
-                    print(f"{model:<9}{dtype:<10}{name:<10}{engine:<14}{res['wall_s']:>8.1f}{tok_s:>11.1f}"
+                    print(f"{model:<14}{dtype:<10}{name:<10}{engine:<14}{res['wall_s']:>8.1f}{tok_s:>11.1f}"
                           f"{ratio:>11.2f}x{same:>13}{cpu}")
-                print(f"{'':<29}batchrun step split: "
+                print(f"{'':<34}batchrun step split: "
                       + ", ".join(f"{k} {v:.0%}" for k, v in ours["split"].items()))
 
 
