@@ -75,6 +75,9 @@ def test_each_cpu_update_path_matches_peft(llama, monkeypatch, stacked):
                       max_adapters=2)
     assert used == {grouped.Stacked if stacked else grouped.PerAdapter}
     assert llm.engine.adapters.loads > 2
+    # the stacked way's shrink rides in each projection's base product ([W; stacked A] packed as one matrix)
+    fused = [m.fused is not None for m in llm.engine.adapters.projections.values()]
+    assert all(fused) if stacked else not any(fused)
 
 
 def test_sgmv_kernels_in_the_engine(llama):
@@ -88,7 +91,7 @@ def test_sgmv_kernels_in_the_engine(llama):
     got = run(llm, rows, max_tokens=4)
     assert got == expected(base, peft_models, rows, max_tokens=4)
     assert all(tokens != reference_greedy(base, p, 4) for tokens, (p, a) in zip(got, rows) if a)
-    assert all(stack.packed is None for stack in llm.engine.adapters.stacks.values())
+    assert all(stack.b_packed is None for stack in llm.engine.adapters.stacks.values())
 
 
 def test_qwen3_mixed_batch(tmp_path):

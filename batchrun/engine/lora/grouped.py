@@ -38,12 +38,13 @@ FUSED_ADD_ROWS = 32
 
 @dataclass
 class Stack:
-    """One projection's resident adapters side by side: A [C, in] and B [out, C] (on the CPU also both packed,
-    and the dense A dropped), `columns[name]` = (first column, rank), `owner` [C] = each column's adapter's
-    position in the set's order (shared by every projection with the same layout)."""
+    """One projection's resident adapters side by side: A [C, in] (None on the CPU, where it sits under the base
+    weight in the projection's fused matrix, projection.py) and B [out, C] (on the CPU also packed),
+    `columns[name]` = (first column, rank), `owner` [C] = each column's adapter's position in the set's order
+    (shared by every projection with the same layout)."""
     a: torch.Tensor | None
-    b: torch.Tensor | None
-    packed: tuple[torch.Tensor, torch.Tensor] | None
+    b: torch.Tensor
+    b_packed: torch.Tensor | None
     columns: dict[str, tuple[int, int]]
     owner: torch.Tensor
 
@@ -65,12 +66,9 @@ def build_stacks(resident: dict[str, dict], shapes: dict[str, tuple[int, int]], 
         for name, rank in layout:
             columns[name] = (start, rank)
             start += rank
-        a = torch.cat([a for _, (a, _) in pairs])
         b = torch.cat([b for _, (_, b) in pairs], dim=1)
-        packed = (cpu_gemm.pack(a), cpu_gemm.pack(b)) if pack else None
-        if packed is not None and None in packed:
-            packed = None
-        stacks[projection] = Stack(None if packed else a, b, packed, columns, owners[layout])
+        stacks[projection] = Stack(torch.cat([a for _, (a, _) in pairs]), b, cpu_gemm.pack(b) if pack else None,
+                                   columns, owners[layout])
     return stacks
 
 
@@ -87,7 +85,7 @@ class PerAdapter:
     def __init__(self, runs: list[Run]):
         self.runs = runs
 
-    def apply(self, y: torch.Tensor, x: torch.Tensor, projection: str) -> torch.Tensor:
+    def apply(self, y: torch.Tensor, x: torch.Tensor, projection: str, shrunk=None) -> torch.Tensor:
         for weights, start, end in self.runs:
             pair = weights.get(projection)
             if pair is not None:
@@ -101,19 +99,19 @@ class Stacked:
         self.stacks, self.row_owner = stacks, row_owner   # row_owner [T]: each row's adapter position, -1: base
         self.masks: dict[int, torch.Tensor] = {}
 
-    def apply(self, y: torch.Tensor, x: torch.Tensor, projection: str) -> torch.Tensor:
+    def apply(self, y: torch.Tensor, x: torch.Tensor, projection: str,
+              shrunk: torch.Tensor | None = None) -> torch.Tensor:
+        """y + each row's own adapter's update; `shrunk`: x @ stacked A^T where the base product computed it."""
         stack = self.stacks.get(projection)
         if stack is None:
             return y
         mask = self.masks.get(id(stack.owner))
         if mask is None:
             mask = self.masks[id(stack.owner)] = (self.row_owner[:, None] == stack.owner[None, :]).to(x.dtype)
-        if stack.packed is None:
-            return y.addmm_(F.linear(x, stack.a).mul_(mask), stack.b.T)
-        h = cpu_gemm.linear(x, stack.packed[0], None).mul_(mask)
-        if len(x) <= FUSED_ADD_ROWS:   # y + h @ B^T in one oneDNN call, into a new tensor
-            return torch.ops.mkldnn._linear_pointwise.binary(h, y, stack.packed[1], None, "add")
-        return y.addmm_(h, stack.b.T)
+        h = (shrunk if stack.a is None else F.linear(x, stack.a)).mul_(mask)
+        if stack.b_packed is not None and len(x) <= FUSED_ADD_ROWS:   # y + h @ B^T in one oneDNN call
+            return torch.ops.mkldnn._linear_pointwise.binary(h, y, stack.b_packed, None, "add")
+        return y.addmm_(h, stack.b.T) if y.is_contiguous() else torch.addmm(y, h, stack.b.T)
 
 
 class Segments:
@@ -125,7 +123,7 @@ class Segments:
         self.sgmv, self.stacks, self.runs, self.device = lora_sgmv, stacks, runs, device
         self.tables: dict[int, tuple[torch.Tensor, int]] = {}   # per column layout: launch table, largest rank
 
-    def apply(self, y: torch.Tensor, x: torch.Tensor, projection: str) -> torch.Tensor:
+    def apply(self, y: torch.Tensor, x: torch.Tensor, projection: str, shrunk=None) -> torch.Tensor:
         stack = self.stacks.get(projection)
         if stack is None:
             return y

@@ -21,7 +21,7 @@ class AdapterSet:
         self.targets = {name: targets.resolve(model, file) for name, file in self.files.items()}
         wanted = {t.projection for per_module in self.targets.values() for t in per_module.values()}
         self.shapes = {p: (model.get_submodule(p).in_features, model.get_submodule(p).out_features) for p in wanted}
-        projection.wrap(model, wanted)
+        self.projections = projection.wrap(model, wanted)
         self.dtype, self.device, self.max_adapters = dtype, device, max_adapters
         self.segmented = device.type == "cuda"   # the SGMV kernels; else the CPU's stacked or per-adapter products
         self.resident: OrderedDict[str, dict] = OrderedDict()   # least recently used first
@@ -84,11 +84,23 @@ class AdapterSet:
         if self.stacks is None:   # positions fixed at the build: later uses reorder `resident` (the LRU)
             self.stacks = grouped.build_stacks(self.resident, self.shapes, pack=not self.segmented)
             self.stack_order = {name: i for i, name in enumerate(self.resident)}
+            if not self.segmented:
+                self.fuse_shrinks()
         if self.segmented:
             return grouped.Segments(self.stacks, [(name, start, end) for name, (_, start, end) in zip(owners, runs)],
                                     self.device)
         row_owner = torch.tensor([self.stack_order.get(name, -1) for name in row_adapters], device=self.device)
         return grouped.Stacked(self.stacks, row_owner)
+
+    def fuse_shrinks(self) -> None:
+        """Each projection's stacked A packed under its base weight (projection.py); the stack's own A is then
+        dropped. A projection no resident adapter adapts gets its plain base weight back."""
+        for name, module in self.projections.items():
+            stack = self.stacks.get(name)
+            if stack is not None and module.fuse(stack.a):
+                stack.a = None
+            elif stack is None and module.fused is not None:
+                module.fuse(None)
 
     def runs(self, row_adapters: list[str | None]) -> tuple[list[grouped.Run], list[str]]:
         """(weights, start, end) for each run of consecutive rows with the same adapter (base rows: none), and
