@@ -61,12 +61,19 @@ def test_llama_forced_preemption(llama):
     assert llm.engine.stats.preemptions > 0
 
 
-@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "per-adapter"])
-def test_each_cpu_update_path_matches_peft(llama, monkeypatch, stacked):
-    """Both CPU ways of the grouped update, forced in turn: the stacked products over every resident adapter (each
-    row's mask zeroing the others' columns; steps of at most and of more than FUSED_ADD_ROWS rows) and the
-    per-adapter runs. With max_adapters=2 of 3 the stacks are rebuilt as adapters come and go."""
-    from batchrun.engine.lora import grouped
+@pytest.mark.parametrize("way", ["stacked-kernel", "stacked-onednn", "per-adapter"])
+def test_each_cpu_update_path_matches_peft(llama, monkeypatch, way):
+    """Each CPU way of the grouped update, forced in turn: the stacked shrink over every resident adapter with the
+    expand kernel (each run of rows its own adapter's B) or with oneDNN's products (each row's mask zeroing the
+    others' columns; steps of at most and of more than FUSED_ADD_ROWS rows), and the per-adapter runs. With
+    max_adapters=2 of 3 the stacks are rebuilt as adapters come and go."""
+    from batchrun.engine.lora import grouped, resident
+    from batchrun.kernels import lora_expand
+    stacked = way != "per-adapter"
+    if way == "stacked-kernel" and lora_expand.load() is None:
+        pytest.skip("the LoRA expand kernel could not be built here")
+    if way == "stacked-onednn":
+        monkeypatch.setattr(resident.lora_expand, "load", lambda: None)
     monkeypatch.setattr(grouped, "stacked_wins", lambda *args: stacked)
     used = set()
     for cls in (grouped.Stacked, grouped.PerAdapter):
@@ -74,9 +81,12 @@ def test_each_cpu_update_path_matches_peft(llama, monkeypatch, stacked):
     llm = check_mixed(*llama, seed=11, lengths=(3, 9, 17, 5, 23, 12, 30), block_size=4, max_num_batched_tokens=40,
                       max_adapters=2)
     assert used == {grouped.Stacked if stacked else grouped.PerAdapter}
-    assert llm.engine.adapters.loads > 2
+    adapters = llm.engine.adapters
+    assert adapters.loads > 2
+    assert all((stack.bt is not None) == (way == "stacked-kernel") for stack in adapters.stacks.values()) \
+        if stacked else adapters.stacks is None
     # the stacked way's shrink rides in each projection's base product ([W; stacked A] packed as one matrix)
-    fused = [m.fused is not None for m in llm.engine.adapters.projections.values()]
+    fused = [m.fused is not None for m in adapters.projections.values()]
     assert all(fused) if stacked else not any(fused)
 
 

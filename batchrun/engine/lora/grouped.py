@@ -20,10 +20,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from batchrun.engine.lora.targets import Weights
+from batchrun.kernels import lora_expand
 from batchrun.models import cpu_gemm
 
-# (projection -> (A [R, in], B [out, R]) of one adapter, first row, end row)
-Run = tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], int, int]
+# (projection -> one adapter's Weights, first row, end row)
+Run = tuple[dict[str, Weights], int, int]
 # Multiply-adds the stacked path may waste per product call it saves before the per-adapter path wins (the per-adapter
 # products run unpacked). SmolLM2 bfloat16, 4 rank-16 adapters on every projection, rows spread evenly (Xeon with
 # AMX, one thread): stacked 214 output tok per CPU second, per adapter 149, base model 276; the stacked path won at
@@ -39,18 +41,24 @@ FUSED_ADD_ROWS = 32
 @dataclass
 class Stack:
     """One projection's resident adapters side by side: A [C, in] (None on the CPU, where it sits under the base
-    weight in the projection's fused matrix, projection.py) and B [out, C] (on the CPU also packed),
-    `columns[name]` = (first column, rank), `owner` [C] = each column's adapter's position in the set's order
-    (shared by every projection with the same layout)."""
+    weight in the projection's fused matrix, projection.py), `columns[name]` = (first column, rank), `owner` [C] =
+    each column's adapter's position in the set's order (shared by every projection with the same layout). The
+    expand's B either for the CPU kernel (kernels/lora_expand.py: `bt`, each module's nonzero block transposed and
+    flattened, `pieces` and `first` its tables) or as one matrix B [out, C] (on the CPU also packed)."""
     a: torch.Tensor | None
-    b: torch.Tensor
-    b_packed: torch.Tensor | None
     columns: dict[str, tuple[int, int]]
     owner: torch.Tensor
+    b: torch.Tensor | None = None
+    b_packed: torch.Tensor | None = None
+    bt: torch.Tensor | None = None
+    pieces: torch.Tensor | None = None
+    first: torch.Tensor | None = None
 
 
-def build_stacks(resident: dict[str, dict], shapes: dict[str, tuple[int, int]], pack: bool) -> dict[str, Stack]:
-    """projection -> Stack over the resident adapters (in `resident`'s order) that adapt it."""
+def build_stacks(resident: dict[str, dict[str, Weights]], shapes: dict[str, tuple[int, int]], pack: bool,
+                 kernel: bool) -> dict[str, Stack]:
+    """projection -> Stack over the resident adapters (in `resident`'s order) that adapt it; `kernel`: B for the
+    expand kernel, else one matrix (`pack`: also oneDNN-packed)."""
     order = {name: i for i, name in enumerate(resident)}
     owners: dict[tuple, torch.Tensor] = {}
     stacks = {}
@@ -58,18 +66,38 @@ def build_stacks(resident: dict[str, dict], shapes: dict[str, tuple[int, int]], 
         pairs = [(name, weights[projection]) for name, weights in resident.items() if projection in weights]
         if not pairs:
             continue
-        layout = tuple((name, a.shape[0]) for name, (a, _) in pairs)
-        device = pairs[0][1][0].device
+        layout = tuple((name, w.a.shape[0]) for name, w in pairs)
+        device = pairs[0][1].a.device
         if layout not in owners:
             owners[layout] = torch.tensor([order[name] for name, rank in layout for _ in range(rank)], device=device)
         columns, start = {}, 0
         for name, rank in layout:
             columns[name] = (start, rank)
             start += rank
-        b = torch.cat([b for _, (_, b) in pairs], dim=1)
-        stacks[projection] = Stack(torch.cat([a for _, (a, _) in pairs]), b, cpu_gemm.pack(b) if pack else None,
-                                   columns, owners[layout])
+        stack = stacks[projection] = Stack(torch.cat([w.a for _, w in pairs]), columns, owners[layout])
+        if kernel:
+            stack.bt, stack.pieces, stack.first = _kernel_tables(pairs, columns, order, device)
+        else:
+            stack.b = torch.cat([w.b for _, w in pairs], dim=1)
+            stack.b_packed = cpu_gemm.pack(stack.b) if pack else None
     return stacks
+
+
+def _kernel_tables(pairs: list[tuple[str, Weights]], columns: dict[str, tuple[int, int]], order: dict[str, int],
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The expand kernel's B^T blocks and tables (lora_expand.cpp): a piece per module, an adapter's pieces
+    together, first[p] = adapter position p's first piece."""
+    blocks, pieces, counts, offset = [], [], [0] * (len(order) + 1), 0
+    for name, w in pairs:
+        local = 0   # the part's first column in this adapter's own B
+        for start, end, rank in w.parts:
+            blocks.append(w.b[start:end, local:local + rank].T.flatten())
+            pieces.append((start, end, columns[name][0] + local, rank, offset))
+            offset += (end - start) * rank
+            local += rank
+        counts[order[name] + 1] = len(w.parts)
+    first = torch.tensor(counts).cumsum(0)
+    return torch.cat(blocks), torch.tensor(pieces, device=device), first.to(device)
 
 
 def stacked_wins(rows: int, runs: list[Run], own_macs: list[int], stack_macs: int, projections: int,
@@ -89,14 +117,14 @@ class PerAdapter:
         for weights, start, end in self.runs:
             pair = weights.get(projection)
             if pair is not None:
-                a, b = pair
-                y[start:end].addmm_(F.linear(x[start:end], a), b.T)
+                y[start:end].addmm_(F.linear(x[start:end], pair.a), pair.b.T)
         return y
 
 
 class Stacked:
-    def __init__(self, stacks: dict[str, Stack], row_owner: torch.Tensor):
+    def __init__(self, stacks: dict[str, Stack], row_owner: torch.Tensor, runs: torch.Tensor):
         self.stacks, self.row_owner = stacks, row_owner   # row_owner [T]: each row's adapter position, -1: base
+        self.runs = runs   # [R, 3]: (first row, end row, adapter position) per run of rows under one adapter
         self.masks: dict[int, torch.Tensor] = {}
 
     def apply(self, y: torch.Tensor, x: torch.Tensor, projection: str,
@@ -105,10 +133,13 @@ class Stacked:
         stack = self.stacks.get(projection)
         if stack is None:
             return y
+        h = shrunk if stack.a is None else F.linear(x, stack.a)
+        if stack.bt is not None:   # the expand kernel: each run's own adapter only, no mask
+            return lora_expand.expand(y, h, stack.bt, stack.pieces, stack.first, self.runs)
         mask = self.masks.get(id(stack.owner))
         if mask is None:
             mask = self.masks[id(stack.owner)] = (self.row_owner[:, None] == stack.owner[None, :]).to(x.dtype)
-        h = (shrunk if stack.a is None else F.linear(x, stack.a)).mul_(mask)
+        h = h.mul_(mask)
         if stack.b_packed is not None and len(x) <= FUSED_ADD_ROWS:   # y + h @ B^T in one oneDNN call
             return torch.ops.mkldnn._linear_pointwise.binary(h, y, stack.b_packed, None, "add")
         return y.addmm_(h, stack.b.T) if y.is_contiguous() else torch.addmm(y, h, stack.b.T)

@@ -10,8 +10,10 @@ import torch
 
 from batchrun.engine.lora import grouped, projection, targets
 from batchrun.engine.lora.adapter_file import AdapterFile
+from batchrun.kernels import lora_expand
 
 log = logging.getLogger("batchrun")
+EXPAND_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class AdapterSet:
@@ -24,6 +26,8 @@ class AdapterSet:
         self.projections = projection.wrap(model, wanted)
         self.dtype, self.device, self.max_adapters = dtype, device, max_adapters
         self.segmented = device.type == "cuda"   # the SGMV kernels; else the CPU's stacked or per-adapter products
+        # the CPU's stacked expand through the C++ kernel (else oneDNN's masked products over every adapter's B)
+        self.expand_kernel = device.type == "cpu" and dtype in EXPAND_DTYPES and lora_expand.load() is not None
         self.resident: OrderedDict[str, dict] = OrderedDict()   # least recently used first
         self.stacks: dict[str, grouped.Stack] | None = None     # over the resident set; None: to be rebuilt
         self.stack_order: dict[str, int] = {}                    # adapter -> its position in the stacks
@@ -82,7 +86,8 @@ class AdapterSet:
                                         len(self.shapes), self.dtype):
                 return grouped.PerAdapter(runs)
         if self.stacks is None:   # positions fixed at the build: later uses reorder `resident` (the LRU)
-            self.stacks = grouped.build_stacks(self.resident, self.shapes, pack=not self.segmented)
+            self.stacks = grouped.build_stacks(self.resident, self.shapes, pack=not self.segmented,
+                                               kernel=self.expand_kernel and not self.segmented)
             self.stack_order = {name: i for i, name in enumerate(self.resident)}
             if not self.segmented:
                 self.fuse_shrinks()
@@ -90,7 +95,8 @@ class AdapterSet:
             return grouped.Segments(self.stacks, [(name, start, end) for name, (_, start, end) in zip(owners, runs)],
                                     self.device)
         row_owner = torch.tensor([self.stack_order.get(name, -1) for name in row_adapters], device=self.device)
-        return grouped.Stacked(self.stacks, row_owner)
+        return grouped.Stacked(self.stacks, row_owner, torch.tensor(
+            [(start, end, self.stack_order[name]) for name, (_, start, end) in zip(owners, runs)]))
 
     def fuse_shrinks(self) -> None:
         """Each projection's stacked A packed under its base weight (projection.py); the stack's own A is then
