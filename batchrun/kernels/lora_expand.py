@@ -27,6 +27,16 @@ def load():
     return _module
 
 
+def flat_block(bt: torch.Tensor) -> torch.Tensor:
+    """One module's B^T [r, n] in the kernel's flat layout: as it is, or for bfloat16 on a CPU with AVX512-BF16 the
+    rank's pairs interleaved ([ceil(r / 2), n, 2], an odd rank padded with a zero row)."""
+    if bt.dtype != torch.bfloat16 or not _module.bf16_pairs():
+        return bt.flatten()
+    if len(bt) % 2:
+        bt = torch.cat([bt, bt.new_zeros(1, bt.shape[1])])
+    return bt.view(-1, 2, bt.shape[1]).transpose(1, 2).flatten()
+
+
 def expand(y: torch.Tensor, h: torch.Tensor, bt: torch.Tensor, pieces: torch.Tensor, first: torch.Tensor,
            runs: torch.Tensor) -> torch.Tensor:
     """A new contiguous y + update (the table layouts: lora_expand.cpp); call only when load() returned a module."""

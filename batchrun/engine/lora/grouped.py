@@ -91,9 +91,9 @@ def _kernel_tables(pairs: list[tuple[str, Weights]], columns: dict[str, tuple[in
     for name, w in pairs:
         local = 0   # the part's first column in this adapter's own B
         for start, end, rank in w.parts:
-            blocks.append(w.b[start:end, local:local + rank].T.flatten())
+            blocks.append(lora_expand.flat_block(w.b[start:end, local:local + rank].T))
             pieces.append((start, end, columns[name][0] + local, rank, offset))
-            offset += (end - start) * rank
+            offset += len(blocks[-1])
             local += rank
         counts[order[name] + 1] = len(w.parts)
     first = torch.tensor(counts).cumsum(0)
