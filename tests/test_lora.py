@@ -88,6 +88,18 @@ def test_each_cpu_update_path_matches_peft(llama, monkeypatch, way):
     # the stacked way's shrink rides in each projection's base product ([W; stacked A] packed as one matrix)
     fused = [m.fused is not None for m in adapters.projections.values()]
     assert all(fused) if stacked else not any(fused)
+    if stacked:   # the memory the engine reserves per adapter is what it really holds
+        assert held_elements(adapters) * 4 == sum(adapters.held_bytes(name) for name in adapters.resident)
+
+
+def held_elements(adapters) -> int:
+    """Every value the resident adapters take: their own matrices and the stacks' (A inside the fused weights)."""
+    own = sum(w.a.numel() + w.b.numel() for weights in adapters.resident.values() for w in weights.values())
+    stacked = 0
+    for projection, stack in adapters.stacks.items():
+        a = stack.owner.numel() * adapters.shapes[projection][0] if stack.a is None else stack.a.numel()
+        stacked += a + sum(t.numel() for t in (stack.bt, stack.b, stack.b_packed) if t is not None)
+    return own + stacked
 
 
 def test_sgmv_kernels_in_the_engine(llama):
@@ -102,6 +114,13 @@ def test_sgmv_kernels_in_the_engine(llama):
     assert got == expected(base, peft_models, rows, max_tokens=4)
     assert all(tokens != reference_greedy(base, p, 4) for tokens, (p, a) in zip(got, rows) if a)
     assert all(stack.b_packed is None for stack in llm.engine.adapters.stacks.values())
+    # one copy: each resident adapter's matrices are views into the stacks the kernels read
+    adapters = llm.engine.adapters
+    for name, weights in adapters.resident.items():
+        for projection, w in weights.items():
+            stack = adapters.stacks[projection]
+            assert w.a.untyped_storage().data_ptr() == stack.a.untyped_storage().data_ptr()
+            assert w.b.untyped_storage().data_ptr() == stack.b.untyped_storage().data_ptr()
 
 
 def test_qwen3_mixed_batch(tmp_path):

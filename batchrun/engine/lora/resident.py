@@ -33,7 +33,6 @@ class AdapterSet:
         self.stack_order: dict[str, int] = {}                    # adapter -> its position in the stacks
         self.loads = 0   # adapters read from disk so far (LRU evictions show here)
         self.macs = {name: self.adapter_bytes(name) // self.element_size for name in self.files}   # per row
-        self.max_bytes = max(self.adapter_bytes(name) for name in self.files)
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
@@ -53,11 +52,22 @@ class AdapterSet:
             ranks[target.projection] = ranks.get(target.projection, 0) + self.files[name].modules[module].rank
         return self.element_size * sum(rank * sum(self.shapes[p]) for p, rank in ranks.items())
 
+    def held_bytes(self, name: str) -> int:
+        """What one resident adapter takes, all its copies: on CUDA its matrices are views into the stacks (one
+        copy, B block-diagonal); on the CPU its own matrices, plus A again in the projections' fused weights, plus
+        B's nonzero blocks for the expand kernel (or, without the kernel, B stacked twice: dense and packed)."""
+        if self.segmented:
+            return self.adapter_bytes(name)
+        modules = self.files[name].modules
+        a = sum(modules[m].rank * self.shapes[t.projection][0] for m, t in self.targets[name].items())
+        b_nonzero = sum(modules[m].rank * (t.rows.stop - t.rows.start) for m, t in self.targets[name].items())
+        extra = a + b_nonzero if self.expand_kernel else self.adapter_bytes(name) // self.element_size * 2 - a
+        return self.adapter_bytes(name) + self.element_size * extra
+
     @property
     def reserved_bytes(self) -> int:
-        """Memory the resident set can take: max_adapters of the largest adapter, twice (each adapter's own
-        matrices and the stacked copy the grouped products read)."""
-        return 2 * min(self.max_adapters, len(self.files)) * self.max_bytes
+        """Memory the resident set can take: max_adapters of the largest adapter, as held (held_bytes)."""
+        return min(self.max_adapters, len(self.files)) * max(self.held_bytes(name) for name in self.files)
 
     def weights(self, name: str, keep: set[str]) -> dict:
         """The adapter's stacked weights, loaded if not resident; evicts the least recently used beyond
@@ -89,14 +99,22 @@ class AdapterSet:
             self.stacks = grouped.build_stacks(self.resident, self.shapes, pack=not self.segmented,
                                                kernel=self.expand_kernel and not self.segmented)
             self.stack_order = {name: i for i, name in enumerate(self.resident)}
-            if not self.segmented:
-                self.fuse_shrinks()
+            self.share_stacks() if self.segmented else self.fuse_shrinks()
         if self.segmented:
             return grouped.Segments(self.stacks, [(name, start, end) for name, (_, start, end) in zip(owners, runs)],
                                     self.device)
         row_owner = torch.tensor([self.stack_order.get(name, -1) for name in row_adapters], device=self.device)
         return grouped.Stacked(self.stacks, row_owner, torch.tensor(
             [(start, end, self.stack_order[name]) for name, (_, start, end) in zip(owners, runs)]))
+
+    def share_stacks(self) -> None:
+        """Each resident adapter's matrices become views into the stacks (the copy the SGMV kernels read): one
+        copy held. A rebuild concatenates the views into new stacks, and the old ones go."""
+        for name, weights in self.resident.items():
+            for proj, w in weights.items():
+                first, rank = self.stacks[proj].columns[name]
+                weights[proj] = w._replace(a=self.stacks[proj].a[first:first + rank],
+                                           b=self.stacks[proj].b[:, first:first + rank])
 
     def fuse_shrinks(self) -> None:
         """Each projection's stacked A packed under its base weight (projection.py); the stack's own A is then
