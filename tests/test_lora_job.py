@@ -105,7 +105,8 @@ def test_planner_counts_adapter_memory(tmp_path, tiny_model):
     adapters = adapters_beside(tmp_path, base)
     config = base.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    qkv, gate_up = (config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim, 2 * config.intermediate_size
+    qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim
+    gate_up = 2 * config.intermediate_size
     fused = {"q_proj": qkv, "k_proj": qkv, "v_proj": qkv, "gate_proj": gate_up, "up_proj": gate_up}
     tensors = load_file(tmp_path / "adapters" / "invoices" / "adapter_model.safetensors")
     largest = 2 * sum(t.numel() if ".lora_A" in name else

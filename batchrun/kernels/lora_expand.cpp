@@ -114,7 +114,8 @@ void block_bf16(const uint32_t* hp, const at::BFloat16* b, int64_t n, int64_t pa
 // out[rows, cols) = y[rows, cols): rows outside every run and columns none of a run's pieces covers.
 template <typename T>
 void copy(const T* y, int64_t y_stride, T* out, int64_t width, int64_t start, int64_t end, int64_t col, int64_t stop) {
-  for (int64_t t = start; t < end; ++t) std::copy(y + t * y_stride + col, y + t * y_stride + stop, out + t * width + col);
+  for (int64_t t = start; t < end; ++t)
+    std::copy(y + t * y_stride + col, y + t * y_stride + stop, out + t * width + col);
 }
 
 template <typename T>
