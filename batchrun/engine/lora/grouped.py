@@ -2,10 +2,13 @@
 
 - PerAdapter: for each run of rows under one adapter (the model runner orders a pool's tokens by adapter), two
   products on that run's rows: the least arithmetic, but two calls per adapter present per projection;
-- Stacked (CPU): the resident adapters' A matrices stacked into one oneDNN-packed weight and their B matrices side
-  by side into another (a Stack, rebuilt when the resident set changes); each row's columns of other adapters are
-  zeroed by a mask built once per step per column layout and shared by every layer: two calls per projection
-  whatever the adapter count, but every row pays for every resident adapter's rank;
+- Stacked (CPU): the resident adapters' A matrices stacked (a Stack, rebuilt when the resident set changes) and
+  packed under the base weight (projection.py), so the base product also yields every adapter's shrink; the
+  expand through the C++ kernel (kernels/lora_expand.py: each run of rows its own adapter's nonzero B blocks), or
+  where it cannot be built one oneDNN product over all adapters' B side by side, each row's columns of other
+  adapters zeroed by a mask built once per step per column layout and shared by every layer. At most one call
+  beyond the base product per projection whatever the adapter count; every row pays for every resident adapter's
+  shrink;
 - Segments (CUDA, `AdapterSet.segmented`): the SGMV kernels (kernels/lora_sgmv.py) over the stacked weights, each
   run of rows reading only its own adapter's columns.
 
