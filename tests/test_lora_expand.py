@@ -1,6 +1,6 @@
 """The CPU LoRA expand kernel (batchrun/kernels/lora_expand.cpp) against the dense product it replaces: each run of
 rows gets its own adapter's update on the parts of a fused projection it adapts, base rows and columns no part
-covers keep y, from row-strided views of one fused product, in float32 and bfloat16."""
+covers keep y, from row-strided views of one fused product, in float32, bfloat16 (odd ranks too) and float16."""
 import pytest
 import torch
 
@@ -22,7 +22,7 @@ def adapter(out_features: int, parts: list[tuple[int, int, int]], seed: int) -> 
     return Weights(torch.randn(ranks, 8, generator=g), b, tuple(parts))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_expand_matches_the_masked_dense_product(dtype):
     # a fused projection of 3 parts (100, 70 and 30 rows: block tails of every size), adapters on different parts
     # with different ranks; the stack in resident order: 'a' all parts, 'b' the middle part only, 'c' the first
