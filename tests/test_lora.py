@@ -127,6 +127,12 @@ def test_qwen3_mixed_batch(tmp_path):
     check_mixed(*build(tmp_path, "qwen3", head_dim=16), seed=3, merged=True, block_size=8, max_num_batched_tokens=24)
 
 
+def test_qwen2_qkv_bias_in_the_fused_weight(tmp_path):
+    """Qwen2's q/k/v bias rides along in the fused [W; stacked A] product (zeros for the shrink's columns)."""
+    llm = check_mixed(*build(tmp_path, "qwen2"), seed=31, block_size=8, max_num_batched_tokens=24)
+    assert any(m.fused is not None and m.fused_bias is not None for m in llm.engine.adapters.projections.values())
+
+
 def test_generate_adapter_argument(llama):
     path, base, paths, peft_models = llama
     llm = LLM(model=path, adapters=paths, kv_cache_memory="4MiB")
