@@ -5,6 +5,8 @@
 REQUEST: {"model": dir, "dtype": "float32"|"bfloat16", "max_num_seqs": int, "warm_up": [[token ids]],
           "workloads": {name: {"prompts": [[token ids]], "max_tokens": [int]}}}
           "one_process": bool (optional: engine core and worker in this process)
+          "lora": {"adapters": {name: PEFT dir}, "max_rank": int} (optional: enable_lora, max_loras = the count;
+                  a workload's "adapters": [name or null per prompt]; the warm-up runs once under each adapter)
 RESULT:  {"version", "load_s", "workloads": {name: {"wall_s", "cpu_s", "output_tokens", "token_ids"}}}
 Greedy, EOS ignored, each request its own max_tokens, prefix caching on; model load and compile (with a warm-up
 request) are not timed.
@@ -23,16 +25,24 @@ def main():
     start = time.perf_counter()
     # One process (no separate engine-core and worker processes) when asked, so process_time counts all the work.
     extra = dict(distributed_executor_backend="uni") if request.get("one_process") else {}
+    lora, adapters = request.get("lora"), {}
+    if lora:
+        from vllm.lora.request import LoRARequest
+        extra.update(enable_lora=True, max_loras=len(lora["adapters"]), max_lora_rank=lora["max_rank"])
+        adapters = {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(lora["adapters"].items())}
     llm = LLM(model=request["model"], dtype=request["dtype"], max_num_seqs=request["max_num_seqs"],
               enable_prefix_caching=True, seed=0, **extra)
-    llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in request["warm_up"]],
-                 SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    for adapter in [None, *adapters.values()]:   # model compile, and each adapter loaded before timing
+        llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in request["warm_up"]],
+                     SamplingParams(max_tokens=4, temperature=0), use_tqdm=False, lora_request=adapter)
     result = dict(version=vllm.__version__, load_s=time.perf_counter() - start, workloads={})
     for name, work in request["workloads"].items():
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in work["prompts"]]
         params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in work["max_tokens"]]
         start, cpu = time.perf_counter(), time.process_time()
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        named = work.get("adapters")
+        outs = llm.generate(prompts, params, use_tqdm=False,
+                            lora_request=[adapters.get(name) for name in named] if named else None)
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu
         ids = [list(o.outputs[0].token_ids) for o in outs]
         result["workloads"][name] = dict(wall_s=wall, cpu_s=cpu, output_tokens=sum(map(len, ids)), token_ids=ids)

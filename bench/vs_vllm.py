@@ -75,7 +75,8 @@ def run_batchrun(model_path: str, dtype: str, work: dict, max_num_seqs: int) -> 
 
 
 def run_vllm(model_path: str, dtype: str, work: dict, max_num_seqs: int, default_threads: bool,
-             one_core: int | None) -> dict:
+             one_core: int | None, lora: dict | None = None) -> dict:
+    """vLLM's figures (vllm_worker.py's RESULT) in its own environment; `lora`: the worker's LoRA request key."""
     if not (VENV / "bin" / "python").exists():
         subprocess.run(["bash", str(ROOT / "bench" / "setup_vllm.sh"), str(VENV)], check=True)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4"}
@@ -87,7 +88,7 @@ def run_vllm(model_path: str, dtype: str, work: dict, max_num_seqs: int, default
     with tempfile.TemporaryDirectory() as tmp:
         request, result = Path(tmp) / "request.json", Path(tmp) / "result.json"
         request.write_text(json.dumps(dict(model=model_path, dtype=dtype, max_num_seqs=max_num_seqs, workloads=work,
-                                           warm_up=WARM_UP, one_process=one_core is not None)))
+                                           warm_up=WARM_UP, one_process=one_core is not None, lora=lora)))
         log = Path(tmp) / "vllm.log"
         with open(log, "w") as out:
             proc = subprocess.run([str(VENV / "bin" / "python"), str(ROOT / "bench" / "vllm_worker.py"),

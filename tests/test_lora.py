@@ -61,12 +61,19 @@ def test_llama_forced_preemption(llama):
     assert llm.engine.stats.preemptions > 0
 
 
-@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "per-adapter"])
-def test_each_cpu_update_path_matches_peft(llama, monkeypatch, stacked):
-    """Both CPU ways of the grouped update, forced in turn: the stacked products over every resident adapter (each
-    row's mask zeroing the others' columns; steps of at most and of more than FUSED_ADD_ROWS rows) and the
-    per-adapter runs. With max_adapters=2 of 3 the stacks are rebuilt as adapters come and go."""
-    from batchrun.engine.lora import grouped
+@pytest.mark.parametrize("way", ["stacked-kernel", "stacked-onednn", "per-adapter"])
+def test_each_cpu_update_path_matches_peft(llama, monkeypatch, way):
+    """Each CPU way of the grouped update, forced in turn: the stacked shrink over every resident adapter with the
+    expand kernel (each run of rows its own adapter's B) or with oneDNN's products (each row's mask zeroing the
+    others' columns; steps of at most and of more than FUSED_ADD_ROWS rows), and the per-adapter runs. With
+    max_adapters=2 of 3 the stacks are rebuilt as adapters come and go."""
+    from batchrun.engine.lora import grouped, resident
+    from batchrun.kernels import lora_expand
+    stacked = way != "per-adapter"
+    if way == "stacked-kernel" and lora_expand.load() is None:
+        pytest.skip("the LoRA expand kernel could not be built here")
+    if way == "stacked-onednn":
+        monkeypatch.setattr(resident.lora_expand, "load", lambda: None)
     monkeypatch.setattr(grouped, "stacked_wins", lambda *args: stacked)
     used = set()
     for cls in (grouped.Stacked, grouped.PerAdapter):
@@ -74,7 +81,25 @@ def test_each_cpu_update_path_matches_peft(llama, monkeypatch, stacked):
     llm = check_mixed(*llama, seed=11, lengths=(3, 9, 17, 5, 23, 12, 30), block_size=4, max_num_batched_tokens=40,
                       max_adapters=2)
     assert used == {grouped.Stacked if stacked else grouped.PerAdapter}
-    assert llm.engine.adapters.loads > 2
+    adapters = llm.engine.adapters
+    assert adapters.loads > 2
+    assert all((stack.bt is not None) == (way == "stacked-kernel") for stack in adapters.stacks.values()) \
+        if stacked else adapters.stacks is None
+    # the stacked way's shrink rides in each projection's base product ([W; stacked A] packed as one matrix)
+    fused = [m.fused is not None for m in adapters.projections.values()]
+    assert all(fused) if stacked else not any(fused)
+    if stacked:   # the memory the engine reserves per adapter is what it really holds
+        assert held_elements(adapters) * 4 == sum(adapters.held_bytes(name) for name in adapters.resident)
+
+
+def held_elements(adapters) -> int:
+    """Every value the resident adapters take: their own matrices and the stacks' (A inside the fused weights)."""
+    own = sum(w.a.numel() + w.b.numel() for weights in adapters.resident.values() for w in weights.values())
+    stacked = 0
+    for projection, stack in adapters.stacks.items():
+        a = stack.owner.numel() * adapters.shapes[projection][0] if stack.a is None else stack.a.numel()
+        stacked += a + sum(t.numel() for t in (stack.bt, stack.b, stack.b_packed) if t is not None)
+    return own + stacked
 
 
 def test_sgmv_kernels_in_the_engine(llama):
@@ -88,11 +113,24 @@ def test_sgmv_kernels_in_the_engine(llama):
     got = run(llm, rows, max_tokens=4)
     assert got == expected(base, peft_models, rows, max_tokens=4)
     assert all(tokens != reference_greedy(base, p, 4) for tokens, (p, a) in zip(got, rows) if a)
-    assert all(stack.packed is None for stack in llm.engine.adapters.stacks.values())
+    assert all(stack.b_packed is None for stack in llm.engine.adapters.stacks.values())
+    # one copy: each resident adapter's matrices are views into the stacks the kernels read
+    adapters = llm.engine.adapters
+    for name, weights in adapters.resident.items():
+        for projection, w in weights.items():
+            stack = adapters.stacks[projection]
+            assert w.a.untyped_storage().data_ptr() == stack.a.untyped_storage().data_ptr()
+            assert w.b.untyped_storage().data_ptr() == stack.b.untyped_storage().data_ptr()
 
 
 def test_qwen3_mixed_batch(tmp_path):
     check_mixed(*build(tmp_path, "qwen3", head_dim=16), seed=3, merged=True, block_size=8, max_num_batched_tokens=24)
+
+
+def test_qwen2_qkv_bias_in_the_fused_weight(tmp_path):
+    """Qwen2's q/k/v bias rides along in the fused [W; stacked A] product (zeros for the shrink's columns)."""
+    llm = check_mixed(*build(tmp_path, "qwen2"), seed=31, block_size=8, max_num_batched_tokens=24)
+    assert any(m.fused is not None and m.fused_bias is not None for m in llm.engine.adapters.projections.values())
 
 
 def test_generate_adapter_argument(llama):

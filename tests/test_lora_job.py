@@ -94,15 +94,25 @@ def test_bad_adapter_fails_before_any_work(tmp_path, tiny_model):
 
 
 def test_planner_counts_adapter_memory(tmp_path, tiny_model):
+    """max_adapters of the largest adapter, once (as a GPU engine holds it), in 16-bit, B over the whole fused
+    q/k/v or gate/up projection's rows (block-diagonal there)."""
     from safetensors.torch import load_file
 
     from batchrun.job.spec import JobSpec
-    from batchrun.planner.api import adapter_bytes
+    from batchrun.planner.api import make_planner
     path, base = tiny_model
     write_prompts(tmp_path / "in.parquet", 4)
     adapters = adapters_beside(tmp_path, base)
-    largest = 2 * sum(t.numel() for t in load_file(tmp_path / "adapters" / "invoices" /
-                                                   "adapter_model.safetensors").values())
+    config = base.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim
+    gate_up = 2 * config.intermediate_size
+    fused = {"q_proj": qkv, "k_proj": qkv, "v_proj": qkv, "gate_proj": gate_up, "up_proj": gate_up}
+    tensors = load_file(tmp_path / "adapters" / "invoices" / "adapter_model.safetensors")
+    largest = 2 * sum(t.numel() if ".lora_A" in name else
+                      t.shape[1] * fused.get(name.split(".lora_B")[0].rpartition(".")[2], t.shape[0])
+                      for name, t in tensors.items())
     for limit, held in ((None, 3), (1, 1)):
         engine = {"adapters": adapters, **({"max_adapters": limit} if limit else {})}
-        assert adapter_bytes(JobSpec.from_yaml(write_job(tmp_path, path, engine=engine))) == 2 * held * largest
+        planner = make_planner(JobSpec.from_yaml(write_job(tmp_path, path, engine=engine)))
+        assert planner.adapter_bytes == held * largest

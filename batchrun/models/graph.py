@@ -42,6 +42,11 @@ def register(owner: object, obj: Any) -> int:
     return handle
 
 
+def release(handle: int) -> None:
+    """Drop the object behind `handle` before its owner goes (the owner no longer reads it)."""
+    _objects.pop(handle, None)
+
+
 def lookup(handle: int) -> Any:
     return _objects[handle]
 

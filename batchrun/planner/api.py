@@ -5,6 +5,7 @@ from batchrun.deadline import seconds_until
 from batchrun.job.spec import JobSpec
 from batchrun.planner import plan as planner, workload
 from batchrun.stepmodel import catalog as cat
+from batchrun.stepmodel.costmodel import ModelSpec
 
 
 def make_planner(spec: JobSpec, deadline: str | None = None, model_config: str | None = None,
@@ -13,15 +14,21 @@ def make_planner(spec: JobSpec, deadline: str | None = None, model_config: str |
                                        "--model-config" if model_config else "model")
     work = workload.load_workload(spec, model, max_num_seqs)
     return planner.Planner(model, work, utilization, deadline_seconds(spec, deadline),
-                           adapter_bytes=adapter_bytes(spec))
+                           adapter_bytes=adapter_bytes(spec, model))
 
 
-def adapter_bytes(spec: JobSpec) -> int:
-    """engine.max_adapters of the job's largest adapter, in 16-bit (small: rank x (in + out) per adapted module),
-    twice: the engine holds each resident adapter's matrices and the stacked copy its grouped products read."""
+def adapter_bytes(spec: JobSpec, model: ModelSpec) -> int:
+    """engine.max_adapters of the job's largest adapter, in 16-bit, once, as the engine holds it on a GPU (its
+    matrices are views into the stacks the SGMV kernels read): rank x (in + out) per adapted module, B's rows
+    those of the whole fused q/k/v or gate/up projection (B is block-diagonal over its parts)."""
     from batchrun.engine.lora.adapter_file import AdapterFile
-    sizes = [AdapterFile(name, path).nbytes(2) for name, path in (spec.engine_options.get("adapters") or {}).items()]
-    return 2 * min(spec.engine.max_adapters, len(sizes)) * max(sizes, default=0)
+    from batchrun.models.base import FUSED
+    rows = {"qkv_proj": (model.num_heads + 2 * model.kv_heads) * model.head_dim,
+            "gate_up_proj": 2 * model.intermediate_size}
+    fused_rows = {leaf: rows[joined] for parts, joined in FUSED for leaf in parts}
+    sizes = [AdapterFile(name, path).nbytes(2, fused_rows)
+             for name, path in (spec.engine_options.get("adapters") or {}).items()]
+    return min(spec.engine.max_adapters, len(sizes)) * max(sizes, default=0)
 
 
 def deadline_seconds(spec: JobSpec, deadline: str | None) -> float | None:

@@ -51,9 +51,12 @@ class AdapterFile:
         self.modules = self._module_shapes(entries)
         self.fingerprint = _sha256(self.config_file, self.weights_file)
 
-    def nbytes(self, element_size: int) -> int:
-        """The adapter's A and B matrices at `element_size` bytes per value."""
-        return element_size * sum(m.rank * (m.in_features + m.out_features) for m in self.modules.values())
+    def nbytes(self, element_size: int, fused_rows: dict[str, int] | None = None) -> int:
+        """The adapter's A and B matrices at `element_size` bytes per value; `fused_rows`: module leaf name (q_proj)
+        -> the rows of the fused projection it is part of, where B is held block-diagonally over all of them."""
+        rows = fused_rows or {}
+        return element_size * sum(m.rank * (m.in_features + rows.get(module.rpartition(".")[2], m.out_features))
+                                  for module, m in self.modules.items())
 
     def error(self, message: str, file: str | None = None) -> ValueError:
         return ValueError(f"adapter {self.name!r}: {file or self.weights_file}: {message}")

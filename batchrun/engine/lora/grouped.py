@@ -2,10 +2,13 @@
 
 - PerAdapter: for each run of rows under one adapter (the model runner orders a pool's tokens by adapter), two
   products on that run's rows: the least arithmetic, but two calls per adapter present per projection;
-- Stacked (CPU): the resident adapters' A matrices stacked into one oneDNN-packed weight and their B matrices side
-  by side into another (a Stack, rebuilt when the resident set changes); each row's columns of other adapters are
-  zeroed by a mask built once per step per column layout and shared by every layer: two calls per projection
-  whatever the adapter count, but every row pays for every resident adapter's rank;
+- Stacked (CPU): the resident adapters' A matrices stacked (a Stack, rebuilt when the resident set changes) and
+  packed under the base weight (projection.py), so the base product also yields every adapter's shrink; the
+  expand through the C++ kernel (kernels/lora_expand.py: each run of rows its own adapter's nonzero B blocks), or
+  where it cannot be built one oneDNN product over all adapters' B side by side, each row's columns of other
+  adapters zeroed by a mask built once per step per column layout and shared by every layer. At most one call
+  beyond the base product per projection whatever the adapter count; every row pays for every resident adapter's
+  shrink;
 - Segments (CUDA, `AdapterSet.segmented`): the SGMV kernels (kernels/lora_sgmv.py) over the stacked weights, each
   run of rows reading only its own adapter's columns.
 
@@ -20,10 +23,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from batchrun.engine.lora.targets import Weights
+from batchrun.kernels import lora_expand
 from batchrun.models import cpu_gemm
 
-# (projection -> (A [R, in], B [out, R]) of one adapter, first row, end row)
-Run = tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], int, int]
+# (projection -> one adapter's Weights, first row, end row)
+Run = tuple[dict[str, Weights], int, int]
 # Multiply-adds the stacked path may waste per product call it saves before the per-adapter path wins (the per-adapter
 # products run unpacked). SmolLM2 bfloat16, 4 rank-16 adapters on every projection, rows spread evenly (Xeon with
 # AMX, one thread): stacked 214 output tok per CPU second, per adapter 149, base model 276; the stacked path won at
@@ -38,18 +43,25 @@ FUSED_ADD_ROWS = 32
 
 @dataclass
 class Stack:
-    """One projection's resident adapters side by side: A [C, in] and B [out, C] (on the CPU also both packed,
-    and the dense A dropped), `columns[name]` = (first column, rank), `owner` [C] = each column's adapter's
-    position in the set's order (shared by every projection with the same layout)."""
+    """One projection's resident adapters side by side: A [C, in] (None on the CPU, where it sits under the base
+    weight in the projection's fused matrix, projection.py), `columns[name]` = (first column, rank), `owner` [C] =
+    each column's adapter's position in the set's order (shared by every projection with the same layout). The
+    expand's B either for the CPU kernel (kernels/lora_expand.py: `bt`, each module's nonzero block transposed and
+    flattened, `pieces` and `first` its tables) or as one matrix B [out, C] (on the CPU also packed)."""
     a: torch.Tensor | None
-    b: torch.Tensor | None
-    packed: tuple[torch.Tensor, torch.Tensor] | None
     columns: dict[str, tuple[int, int]]
     owner: torch.Tensor
+    b: torch.Tensor | None = None
+    b_packed: torch.Tensor | None = None
+    bt: torch.Tensor | None = None
+    pieces: torch.Tensor | None = None
+    first: torch.Tensor | None = None
 
 
-def build_stacks(resident: dict[str, dict], shapes: dict[str, tuple[int, int]], pack: bool) -> dict[str, Stack]:
-    """projection -> Stack over the resident adapters (in `resident`'s order) that adapt it."""
+def build_stacks(resident: dict[str, dict[str, Weights]], shapes: dict[str, tuple[int, int]], pack: bool,
+                 kernel: bool) -> dict[str, Stack]:
+    """projection -> Stack over the resident adapters (in `resident`'s order) that adapt it; `kernel`: B for the
+    expand kernel, else one matrix (`pack`: also oneDNN-packed)."""
     order = {name: i for i, name in enumerate(resident)}
     owners: dict[tuple, torch.Tensor] = {}
     stacks = {}
@@ -57,21 +69,38 @@ def build_stacks(resident: dict[str, dict], shapes: dict[str, tuple[int, int]], 
         pairs = [(name, weights[projection]) for name, weights in resident.items() if projection in weights]
         if not pairs:
             continue
-        layout = tuple((name, a.shape[0]) for name, (a, _) in pairs)
-        device = pairs[0][1][0].device
+        layout = tuple((name, w.a.shape[0]) for name, w in pairs)
+        device = pairs[0][1].a.device
         if layout not in owners:
             owners[layout] = torch.tensor([order[name] for name, rank in layout for _ in range(rank)], device=device)
         columns, start = {}, 0
         for name, rank in layout:
             columns[name] = (start, rank)
             start += rank
-        a = torch.cat([a for _, (a, _) in pairs])
-        b = torch.cat([b for _, (_, b) in pairs], dim=1)
-        packed = (cpu_gemm.pack(a), cpu_gemm.pack(b)) if pack else None
-        if packed is not None and None in packed:
-            packed = None
-        stacks[projection] = Stack(None if packed else a, b, packed, columns, owners[layout])
+        stack = stacks[projection] = Stack(torch.cat([w.a for _, w in pairs]), columns, owners[layout])
+        if kernel:
+            stack.bt, stack.pieces, stack.first = _kernel_tables(pairs, columns, order, device)
+        else:
+            stack.b = torch.cat([w.b for _, w in pairs], dim=1)
+            stack.b_packed = cpu_gemm.pack(stack.b) if pack else None
     return stacks
+
+
+def _kernel_tables(pairs: list[tuple[str, Weights]], columns: dict[str, tuple[int, int]], order: dict[str, int],
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The expand kernel's B^T blocks and tables (lora_expand.cpp): a piece per module, an adapter's pieces
+    together, first[p] = adapter position p's first piece."""
+    blocks, pieces, counts, offset = [], [], [0] * (len(order) + 1), 0
+    for name, w in pairs:
+        local = 0   # the part's first column in this adapter's own B
+        for start, end, rank in w.parts:
+            blocks.append(lora_expand.flat_block(w.b[start:end, local:local + rank].T))
+            pieces.append((start, end, columns[name][0] + local, rank, offset))
+            offset += len(blocks[-1])
+            local += rank
+        counts[order[name] + 1] = len(w.parts)
+    first = torch.tensor(counts).cumsum(0)
+    return torch.cat(blocks), torch.tensor(pieces, device=device), first.to(device)
 
 
 def stacked_wins(rows: int, runs: list[Run], own_macs: list[int], stack_macs: int, projections: int,
@@ -87,33 +116,36 @@ class PerAdapter:
     def __init__(self, runs: list[Run]):
         self.runs = runs
 
-    def apply(self, y: torch.Tensor, x: torch.Tensor, projection: str) -> torch.Tensor:
+    def apply(self, y: torch.Tensor, x: torch.Tensor, projection: str, shrunk=None) -> torch.Tensor:
         for weights, start, end in self.runs:
             pair = weights.get(projection)
             if pair is not None:
-                a, b = pair
-                y[start:end].addmm_(F.linear(x[start:end], a), b.T)
+                y[start:end].addmm_(F.linear(x[start:end], pair.a), pair.b.T)
         return y
 
 
 class Stacked:
-    def __init__(self, stacks: dict[str, Stack], row_owner: torch.Tensor):
+    def __init__(self, stacks: dict[str, Stack], row_owner: torch.Tensor, runs: torch.Tensor):
         self.stacks, self.row_owner = stacks, row_owner   # row_owner [T]: each row's adapter position, -1: base
+        self.runs = runs   # [R, 3]: (first row, end row, adapter position) per run of rows under one adapter
         self.masks: dict[int, torch.Tensor] = {}
 
-    def apply(self, y: torch.Tensor, x: torch.Tensor, projection: str) -> torch.Tensor:
+    def apply(self, y: torch.Tensor, x: torch.Tensor, projection: str,
+              shrunk: torch.Tensor | None = None) -> torch.Tensor:
+        """y + each row's own adapter's update; `shrunk`: x @ stacked A^T where the base product computed it."""
         stack = self.stacks.get(projection)
         if stack is None:
             return y
+        h = shrunk if stack.a is None else F.linear(x, stack.a)
+        if stack.bt is not None:   # the expand kernel: each run's own adapter only, no mask
+            return lora_expand.expand(y, h, stack.bt, stack.pieces, stack.first, self.runs)
         mask = self.masks.get(id(stack.owner))
         if mask is None:
             mask = self.masks[id(stack.owner)] = (self.row_owner[:, None] == stack.owner[None, :]).to(x.dtype)
-        if stack.packed is None:
-            return y.addmm_(F.linear(x, stack.a).mul_(mask), stack.b.T)
-        h = cpu_gemm.linear(x, stack.packed[0], None).mul_(mask)
-        if len(x) <= FUSED_ADD_ROWS:   # y + h @ B^T in one oneDNN call, into a new tensor
-            return torch.ops.mkldnn._linear_pointwise.binary(h, y, stack.packed[1], None, "add")
-        return y.addmm_(h, stack.b.T)
+        h = h.mul_(mask)
+        if stack.b_packed is not None and len(x) <= FUSED_ADD_ROWS:   # y + h @ B^T in one oneDNN call
+            return torch.ops.mkldnn._linear_pointwise.binary(h, y, stack.b_packed, None, "add")
+        return y.addmm_(h, stack.b.T) if y.is_contiguous() else torch.addmm(y, h, stack.b.T)
 
 
 class Segments:
@@ -125,7 +157,7 @@ class Segments:
         self.sgmv, self.stacks, self.runs, self.device = lora_sgmv, stacks, runs, device
         self.tables: dict[int, tuple[torch.Tensor, int]] = {}   # per column layout: launch table, largest rank
 
-    def apply(self, y: torch.Tensor, x: torch.Tensor, projection: str) -> torch.Tensor:
+    def apply(self, y: torch.Tensor, x: torch.Tensor, projection: str, shrunk=None) -> torch.Tensor:
         stack = self.stacks.get(projection)
         if stack is None:
             return y

@@ -10,8 +10,10 @@ import torch
 
 from batchrun.engine.lora import grouped, projection, targets
 from batchrun.engine.lora.adapter_file import AdapterFile
+from batchrun.kernels import lora_expand
 
 log = logging.getLogger("batchrun")
+EXPAND_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class AdapterSet:
@@ -21,15 +23,16 @@ class AdapterSet:
         self.targets = {name: targets.resolve(model, file) for name, file in self.files.items()}
         wanted = {t.projection for per_module in self.targets.values() for t in per_module.values()}
         self.shapes = {p: (model.get_submodule(p).in_features, model.get_submodule(p).out_features) for p in wanted}
-        projection.wrap(model, wanted)
+        self.projections = projection.wrap(model, wanted)
         self.dtype, self.device, self.max_adapters = dtype, device, max_adapters
         self.segmented = device.type == "cuda"   # the SGMV kernels; else the CPU's stacked or per-adapter products
+        # the CPU's stacked expand through the C++ kernel (else oneDNN's masked products over every adapter's B)
+        self.expand_kernel = device.type == "cpu" and dtype in EXPAND_DTYPES and lora_expand.load() is not None
         self.resident: OrderedDict[str, dict] = OrderedDict()   # least recently used first
         self.stacks: dict[str, grouped.Stack] | None = None     # over the resident set; None: to be rebuilt
         self.stack_order: dict[str, int] = {}                    # adapter -> its position in the stacks
         self.loads = 0   # adapters read from disk so far (LRU evictions show here)
         self.macs = {name: self.adapter_bytes(name) // self.element_size for name in self.files}   # per row
-        self.max_bytes = max(self.adapter_bytes(name) for name in self.files)
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
@@ -49,11 +52,22 @@ class AdapterSet:
             ranks[target.projection] = ranks.get(target.projection, 0) + self.files[name].modules[module].rank
         return self.element_size * sum(rank * sum(self.shapes[p]) for p, rank in ranks.items())
 
+    def held_bytes(self, name: str) -> int:
+        """What one resident adapter takes, all its copies: on CUDA its matrices are views into the stacks (one
+        copy, B block-diagonal); on the CPU its own matrices, plus A again in the projections' fused weights, plus
+        B's nonzero blocks for the expand kernel (or, without the kernel, B stacked twice: dense and packed)."""
+        if self.segmented:
+            return self.adapter_bytes(name)
+        modules = self.files[name].modules
+        a = sum(modules[m].rank * self.shapes[t.projection][0] for m, t in self.targets[name].items())
+        b_nonzero = sum(modules[m].rank * (t.rows.stop - t.rows.start) for m, t in self.targets[name].items())
+        extra = a + b_nonzero if self.expand_kernel else self.adapter_bytes(name) // self.element_size * 2 - a
+        return self.adapter_bytes(name) + self.element_size * extra
+
     @property
     def reserved_bytes(self) -> int:
-        """Memory the resident set can take: max_adapters of the largest adapter, twice (each adapter's own
-        matrices and the stacked copy the grouped products read)."""
-        return 2 * min(self.max_adapters, len(self.files)) * self.max_bytes
+        """Memory the resident set can take: max_adapters of the largest adapter, as held (held_bytes)."""
+        return min(self.max_adapters, len(self.files)) * max(self.held_bytes(name) for name in self.files)
 
     def weights(self, name: str, keep: set[str]) -> dict:
         """The adapter's stacked weights, loaded if not resident; evicts the least recently used beyond
@@ -82,13 +96,35 @@ class AdapterSet:
                                         len(self.shapes), self.dtype):
                 return grouped.PerAdapter(runs)
         if self.stacks is None:   # positions fixed at the build: later uses reorder `resident` (the LRU)
-            self.stacks = grouped.build_stacks(self.resident, self.shapes, pack=not self.segmented)
+            self.stacks = grouped.build_stacks(self.resident, self.shapes, pack=not self.segmented,
+                                               kernel=self.expand_kernel and not self.segmented)
             self.stack_order = {name: i for i, name in enumerate(self.resident)}
+            self.share_stacks() if self.segmented else self.fuse_shrinks()
         if self.segmented:
             return grouped.Segments(self.stacks, [(name, start, end) for name, (_, start, end) in zip(owners, runs)],
                                     self.device)
         row_owner = torch.tensor([self.stack_order.get(name, -1) for name in row_adapters], device=self.device)
-        return grouped.Stacked(self.stacks, row_owner)
+        return grouped.Stacked(self.stacks, row_owner, torch.tensor(
+            [(start, end, self.stack_order[name]) for name, (_, start, end) in zip(owners, runs)]))
+
+    def share_stacks(self) -> None:
+        """Each resident adapter's matrices become views into the stacks (the copy the SGMV kernels read): one
+        copy held. A rebuild concatenates the views into new stacks, and the old ones go."""
+        for name, weights in self.resident.items():
+            for proj, w in weights.items():
+                first, rank = self.stacks[proj].columns[name]
+                weights[proj] = w._replace(a=self.stacks[proj].a[first:first + rank],
+                                           b=self.stacks[proj].b[:, first:first + rank])
+
+    def fuse_shrinks(self) -> None:
+        """Each projection's stacked A packed under its base weight (projection.py); the stack's own A is then
+        dropped. A projection no resident adapter adapts gets its plain base weight back."""
+        for name, module in self.projections.items():
+            stack = self.stacks.get(name)
+            if stack is not None and module.fuse(stack.a):
+                stack.a = None
+            elif stack is None and module.fused is not None:
+                module.fuse(None)
 
     def runs(self, row_adapters: list[str | None]) -> tuple[list[grouped.Run], list[str]]:
         """(weights, start, end) for each run of consecutive rows with the same adapter (base rows: none), and

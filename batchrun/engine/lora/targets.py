@@ -6,6 +6,7 @@ projection."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -17,6 +18,13 @@ from batchrun.models.base import FUSED
 class Target:
     projection: str   # the model's module, e.g. model.layers.0.self_attn.qkv_proj
     rows: slice       # the rows of its output this PEFT module owns
+
+
+class Weights(NamedTuple):
+    """One adapter's matrices on one projection."""
+    a: torch.Tensor                       # [R, in]: its modules' A stacked
+    b: torch.Tensor                       # [out, R]: their B block-diagonally, scaling folded in
+    parts: tuple[tuple[int, int, int], ...]   # per module, in a's row order: (first output row, end row, rank)
 
 
 def resolve(model: torch.nn.Module, adapter: AdapterFile) -> dict[str, Target]:
@@ -54,8 +62,8 @@ def _part_rows(parent: torch.nn.Module, out_features: int, parts: tuple[str, ...
 
 
 def stack(adapter: AdapterFile, targets: dict[str, Target], shapes: dict[str, tuple[int, int]], dtype: torch.dtype,
-          device: torch.device) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """projection -> (A [R, in], scaled block-diagonal B [out, R]) over the adapter's modules on it."""
+          device: torch.device) -> dict[str, Weights]:
+    """projection -> Weights over the adapter's modules on it."""
     weights = adapter.load(torch.float32)
     by_projection: dict[str, list[str]] = {}
     for module, target in targets.items():
@@ -70,5 +78,6 @@ def stack(adapter: AdapterFile, targets: dict[str, Target], shapes: dict[str, tu
             rank = adapter.modules[m].rank
             b[targets[m].rows, r:r + rank] = weights[m][1] * adapter.modules[m].scaling
             r += rank
-        stacked[projection] = (a.to(device, dtype), b.to(device, dtype))
+        parts = tuple((targets[m].rows.start, targets[m].rows.stop, adapter.modules[m].rank) for m in modules)
+        stacked[projection] = Weights(a.to(device, dtype), b.to(device, dtype), parts)
     return stacked
