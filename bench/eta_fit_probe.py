@@ -1,6 +1,7 @@
 """Where a running job's time left goes wrong: the schedule it simulates, or the price it puts on each step.
 
     python bench/eta_fit_probe.py [--job jobs/demo.yaml] [--order shortest_first|longest_first] [--set KEY=VALUE]
+                                  [--steps steps.json]
 
 Runs the job once, recording every engine step (shape and measured time), every step-time fit the ETA makes and
 every simulation it runs. Then, for each simulation, sets the simulated steps beside the steps that really followed
@@ -11,9 +12,11 @@ A simulation matching the real steps with a fit pricing them high is a step-mode
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
+import time
 
 import numpy as np
 
@@ -27,14 +30,20 @@ from batchrun.stepmodel.costmodel import StepShape  # noqa: E402
 BATCH_BINS = ((1, 8), (8, 16), (16, 24), (24, 10**9))
 
 
-def record(job: str, order: str, overrides: list[str]) -> tuple[list, dict, list]:
-    """(steps [(tokens, seqs, kv_tokens, attn_pairs, seconds)], {steps seen: fit}, [(steps seen, trace)])."""
-    steps, fits, sims = [], {}, []
+def record(job: str, order: str, overrides: list[str]) -> tuple[list, dict, list, list]:
+    """(steps [(tokens, seqs, kv_tokens, attn_pairs, seconds, CPU seconds)], {steps seen: fit}, [(steps seen,
+    trace)], finished rows in order [(prompt tokens, generated, max_tokens)]). CPU seconds: the process's CPU time since the step before (the step and the runner's work around it),
+    which another process on the same core does not inflate as it does the step's wall time."""
+    steps, fits, sims, rows = [], {}, [], []
+    cpu = [time.process_time()]
     estimator = eta_module.EtaEstimator
     real_observe, real_fit, real_simulate = estimator.observe_step, estimator._fit, eta_module.simulate
+    real_finished = estimator.observe_finished
 
     def observe(self, shape, seconds, output_tokens=0):
-        steps.append((shape.tokens, shape.seqs, shape.kv_tokens, shape.attn_pairs, seconds))
+        now = time.process_time()
+        steps.append((shape.tokens, shape.seqs, shape.kv_tokens, shape.attn_pairs, seconds, now - cpu[0]))
+        cpu[0] = now
         return real_observe(self, shape, seconds, output_tokens)
 
     def fit(self):
@@ -48,7 +57,12 @@ def record(job: str, order: str, overrides: list[str]) -> tuple[list, dict, list
         sims.append((len(steps), trace))
         return trace
 
+    def finished(self, generated, max_tokens, prompt_tokens):
+        rows.append((prompt_tokens, generated, max_tokens))
+        return real_finished(self, generated, max_tokens, prompt_tokens)
+
     estimator.observe_step, estimator._fit, eta_module.simulate = observe, fit, simulate
+    estimator.observe_finished = finished
     try:
         with tempfile.TemporaryDirectory() as out:
             Job.from_yaml(job, [f"output.path={out}/run", "output.log_every_s=60",
@@ -56,7 +70,8 @@ def record(job: str, order: str, overrides: list[str]) -> tuple[list, dict, list
                           ).run(progress="log")
     finally:
         estimator.observe_step, estimator._fit, eta_module.simulate = real_observe, real_fit, real_simulate
-    return steps, fits, sims
+        estimator.observe_finished = real_finished
+    return steps, fits, sims, rows
 
 
 def report(steps: list, fits: dict, sims: list) -> None:
@@ -64,7 +79,7 @@ def report(steps: list, fits: dict, sims: list) -> None:
         return np.array([model.step_time(shape) for shape in shapes])
 
     real_shapes = [StepShape(*step[:4]) for step in steps]
-    measured = np.array([step[-1] for step in steps])
+    measured = np.array([step[4] for step in steps])
     print("simulated / real steps after each simulation, and both priced by that moment's fit")
     for at, trace in sims:
         sim = [sum(getattr(s, f) for s in trace.shapes) for f in ("tokens", "seqs", "kv_tokens", "attn_pairs")]
@@ -98,9 +113,17 @@ def main() -> None:
                                                   "jobs", "demo.yaml"))
     ap.add_argument("--order", default="shortest_first", choices=("shortest_first", "longest_first"))
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a job-file override")
+    ap.add_argument("--steps", help="write every recorded step [tokens, seqs, kv_tokens, attn_pairs, seconds, CPU "
+                                    "seconds] and finished row [prompt tokens, generated, max_tokens] here (JSON), "
+                                    "to replay fits and forecasts offline")
     args = ap.parse_args()
     print(f"CPU: {cpu_model()}; job {args.job}, {args.order}, overrides {args.set}")
-    report(*record(args.job, args.order, args.set))
+    steps, fits, sims, rows = record(args.job, args.order, args.set)
+    if args.steps:
+        with open(args.steps, "w") as f:
+            json.dump({"cpu": cpu_model(), "job": args.job, "order": args.order, "overrides": args.set,
+                       "steps": steps, "finished": rows}, f)
+    report(steps, fits, sims)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,16 @@
 """Time left for a running job from the work left, not the rows left, priced by the planner's step model.
 
 Each engine step the runner records the step's shape and time. Every so often the step-time model
-t = a + b x tokens + c x context + d x prefill pairs (the fit `batchrun plan --calibrate` uses) is refitted, recent
+t = a + b x tokens + c x context + d x prefill pairs + e x sequences + g x [prefill in the step] (the fit
+`batchrun plan --calibrate` uses, costmodel.LinearModel) is refitted, recent
 steps weighing more and checked on the most recent ones (stepmodel/recent_fit.py), and the work left is simulated
 over the real scheduler: the engine's running requests as they stand (their KV in the cache), its waiting ones, the
 rows read but not admitted, and the rows not read yet (prompt lengths drawn from the rows read so far, bucketed as
 the feed will). Output lengths come from the rows finished so far, with the
 running ones and those cut by max_tokens as lower bounds (Kaplan-Meier), since outputs stop early and short ones
 finish first. While long prompts keep the KV pool full, the steps cannot tell a context token's cost from the
-step's own; the fit then leans on a prior from the bytes each reads (costmodel.ContextPrior).
+step's own; the fit then leans on a prior from the bytes each reads, as it does for a sequence's cost against a
+step's own while every decode step is a full batch (costmodel.ContextPrior).
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import numpy as np
 
 from batchrun.job.eta_band import band, length_spread, step_spread
 from batchrun.job.output_lengths import KEEP, OutputLengths
-from batchrun.stepmodel.costmodel import ContextPrior, LinearModel, ModelSpec, StepShape
+from batchrun.stepmodel.costmodel import ContextPrior, LinearModel, StepShape
 from batchrun.stepmodel.recent_fit import TOLERANCE, fit_recent
 from batchrun.stepmodel.simulate import WorkItem, simulate, timeline
 
@@ -102,7 +104,7 @@ class EtaEstimator:
         eta = cls(num_blocks=engine.block_manager.num_blocks, block_size=config.block_size,
                   max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                   prefix_caching=config.enable_prefix_caching, rows_to_read=rows_to_read, window=batching.window,
-                  bucketing=batching.bucketing, longest_first=batching.longest_first, prior=context_prior(engine),
+                  bucketing=batching.bucketing, longest_first=batching.longest_first, prior=ContextPrior.of_engine(engine),
                   saved=saved)
         engine.observe(lambda stats: eta.observe_step(stats.shape, stats.step_time, stats.output_tokens))
         return eta
@@ -240,13 +242,6 @@ class EtaEstimator:
                 items[start:start + window] = sorted(items[start:start + window], key=lambda i: i.prompt,
                                                      reverse=self.longest_first)
         return items
-
-
-def context_prior(engine) -> ContextPrior:
-    """The engine's KV bytes per context token over the bytes of its weights (every expert counted: a decode step
-    of a batch reads most of them)."""
-    weights = ModelSpec.from_config(engine.hf_config).num_params * engine.dtype.itemsize
-    return ContextPrior.from_bytes(engine.kv_bytes_per_token, weights)
 
 
 def clock_text(at: datetime, now: datetime) -> str:
