@@ -95,6 +95,7 @@ def errors_at(records: list, wall: float, tokens: int) -> dict:
             "row_eta_s": None if row_eta is None else round(row_eta, 1),
             "row_error_pct": None if row_eta is None else round(100 * (row_eta - left) / left, 1),
             "band_s": None if low is None else [round(low, 1), round(high, 1)],
+            "band_width_pct": None if low is None or not job_eta else round(100 * (high - low) / job_eta, 1),
             "in_band": None if low is None else low <= left <= high, "tokens_left": tokens_left,
             "tokens_error_pct": None if tokens_expected is None or not tokens_left
             else round(100 * (tokens_expected - tokens_left) / tokens_left, 1)}
@@ -133,8 +134,9 @@ def main() -> None:
         parser.error(f"--repeats: at least 1, got {args.repeats}")
     flags = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in cpu_flags())
     result = {"cpu": cpu_model() or platform.processor(), "flags": flags, "job": args.job, "overrides": args.set,
-              "load_before": os.getloadavg(), "runs": {}}
-    print(f"{result['cpu']}; {flags}; load {' '.join(f'{x:.2f}' for x in result['load_before'])}")
+              "cores": sorted(os.sched_getaffinity(0)), "load_before": os.getloadavg(), "runs": {}}
+    print(f"{result['cpu']}; {flags}; cores {result['cores']} (pin with taskset); "
+          f"load {' '.join(f'{x:.2f}' for x in result['load_before'])}")
     with tempfile.TemporaryDirectory() as scratch:
         overrides = list(args.set)
         if args.rows:
@@ -154,7 +156,9 @@ def main() -> None:
     points = [e for runs in result["runs"].values() for run in runs for e in run["errors"].values()
               if e["in_band"] is not None]
     if points:
-        print(f"band coverage: {sum(e['in_band'] for e in points)} of {len(points)} points held the time left")
+        widths = sorted(e["band_width_pct"] for e in points if e["band_width_pct"] is not None)
+        print(f"band coverage: {sum(e['in_band'] for e in points)} of {len(points)} points held the time left; "
+              f"band width (p90 - p10) / estimate: median {widths[len(widths) // 2]} %, {widths[0]}-{widths[-1]} %")
     print(f"load after: {' '.join(f'{x:.2f}' for x in result['load_after'])}")
     if args.json:
         with open(args.json, "w") as f:
@@ -188,11 +192,12 @@ def report(name: str, run: dict, cpu: str, flags: str) -> None:
           + (f"at {first['at_s']} s ({first['at_pct']} %): {first['eta_s']} s, error {first['error_pct']} %"
              if first else "never"))
     print(f"  {'point':>5} {'at s':>7} {'rows':>5} {'left s':>7} {'job ETA':>8} {'error':>7} {'p10-p90':>14} "
-          f"{'row ETA':>8} {'error':>7} {'tok left':>8} {'error':>7}")
+          f"{'width':>6} {'row ETA':>8} {'error':>7} {'tok left':>8} {'error':>7}")
     for point, e in run["errors"].items():
         band = "-" if e["band_s"] is None else f"{e['band_s'][0]}-{e['band_s'][1]}" + ("" if e["in_band"] else "!")
         print(f"  {point:>5} {e['at_s']:>7} {e['rows_done']:>5} {e['actual_left_s']:>7} {e['job_eta_s']!s:>8} "
-              f"{e['job_error_pct']!s:>6}% {band:>14} {e['row_eta_s']!s:>8} {e['row_error_pct']!s:>6}% "
+              f"{e['job_error_pct']!s:>6}% {band:>14} {e['band_width_pct']!s:>5}% {e['row_eta_s']!s:>8} "
+              f"{e['row_error_pct']!s:>6}% "
               f"{e['tokens_left']:>8} {e['tokens_error_pct']!s:>6}%")
 
 

@@ -1,9 +1,11 @@
 """Planner calibration on this machine: predict a job's stepping time from a pilot, run the whole job, compare.
 
     python bench/planner_calibration.py [--job jobs/demo.yaml] [--pilot-fraction 0.2] [--json out.json]
+                                        [--set engine.dtype=bfloat16]
 
 1. `batchrun plan JOB --calibrate`'s path: a pilot of every k-th row (at most --pilot-fraction of the job), the
-   step-time fit t = a + b x tokens + c x sum(context), and the whole job simulated over the real scheduler with it.
+   step-time fit (costmodel.fit_linear, as the job's ETA fits), and the whole job simulated over the real scheduler
+   with it.
 2. The whole job through the job runner (into a fresh temporary output directory), every engine step's shape and
    time recorded.
 Reports predicted vs measured stepping time (and the job's wall time), simulated vs real steps and output tokens,
@@ -21,6 +23,7 @@ import os
 import tempfile
 import time
 
+from batchrun.cpuinfo import cpu_model
 from batchrun.job import Job
 from batchrun.job.spec import JobSpec
 from batchrun.planner.calibrate import run_calibration
@@ -44,11 +47,13 @@ def main():
     ap.add_argument("--job", default="jobs/demo.yaml")
     ap.add_argument("--pilot-fraction", type=float, default=0.2)
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a job-file override (engine.dtype=float32, ...) for the pilot and the job alike")
     ap.add_argument("--steps", help="write every measured step (pilot and full run: shape, seconds) here as JSON")
     args = ap.parse_args()
 
     out_dir = tempfile.mkdtemp(prefix="batchrun-calibration-")
-    spec = JobSpec.from_yaml(args.job, [f"output.path={out_dir}"])
+    spec = JobSpec.from_yaml(args.job, [f"output.path={out_dir}", *args.set])
     work = load_workload(spec, read_model_config(spec.model))
     start = time.perf_counter()
     calibration = run_calibration(spec, work, args.pilot_fraction)
@@ -72,7 +77,8 @@ def main():
     oracle_s = timeline(trace, oracle.step_time).makespan_s
     predicted = report["predicted"]["makespan_s"]
     result = {
-        "job": args.job, "rows": summary["rows_done"], "pilot": report["pilot"], "fit": report["fit"],
+        "job": args.job, "overrides": args.set, "cpu": cpu_model(), "cores": sorted(os.sched_getaffinity(0)),
+        "load": os.getloadavg(), "rows": summary["rows_done"], "pilot": report["pilot"], "fit": report["fit"],
         "predicted_stepping_s": predicted, "measured_stepping_s": round(measured_steps, 3),
         "measured_job_wall_s": summary["wall_s"],
         "error_vs_stepping_pct": round((predicted / measured_steps - 1) * 100, 1),

@@ -25,7 +25,7 @@ from datetime import datetime
 
 import numpy as np
 
-from batchrun.job.eta_band import band, length_spread, step_spread
+from batchrun.job.eta_band import band, fit_error, length_spread, step_spread
 from batchrun.job.output_lengths import KEEP, OutputLengths
 from batchrun.stepmodel.costmodel import ContextPrior, LinearModel, StepShape
 from batchrun.stepmodel.recent_fit import TOLERANCE, fit_recent
@@ -38,6 +38,7 @@ MIN_SMALL_STEPS = 4       # steps of at most half the largest step's tokens befo
 UNSEEN_SHARE = 0.25       # until then, the most of a simulation's steps that may be such steps
 MAX_SIMULATED = 2000      # rows not started beyond this are simulated as an evenly spaced sample, scaled up
 SIM_COST_SHARE = 0.02     # re-simulate at most so often that simulating costs <= 2% of the job's time
+MISSES_KEPT = 8           # the held-out misses of the last fits, which the band's fit error is read from
 
 
 @dataclass
@@ -81,6 +82,7 @@ class EtaEstimator:
         self._last: tuple[float, int, Eta] | None = None     # (clock and output tokens at the simulation, its estimate)
         self._output_tokens = 0                              # generated so far, as the engine counts them
         self._recent: deque[tuple[float, float]] = deque(maxlen=3)   # (clock, seconds left) of the last simulations
+        self._misses: deque[float] = deque(maxlen=MISSES_KEPT)      # held-out misses of the last fits (eta_band)
         self._next_simulation = 0.0                          # clock time of the next simulation
         self._warned = False
 
@@ -183,11 +185,13 @@ class EtaEstimator:
         except (ValueError, np.linalg.LinAlgError):
             return None
         model = fitted.model
+        if fitted.miss is not None:
+            self._misses.append(fitted.miss)
         if self._run_steps >= MIN_STEPS and self._run_step_s > 0:
             self.overhead = max(1.0, (self.clock() - self._run_start) / self._run_step_s)
         half = max(shape.tokens for shape in shapes) / 2
         return (model, (half if sum(shape.tokens <= half for shape in shapes) < MIN_SMALL_STEPS else 0),
-                step_spread(model, shapes, times, TOLERANCE if fitted.miss is None else fitted.miss))
+                step_spread(model, shapes, times, fit_error(self._misses) if self._misses else TOLERANCE))
 
     def _simulate(self, model: LinearModel, unseen_up_to: float, steps_spread: tuple[float, float], running,
                   waiting, queued_rows) -> Eta | None:
