@@ -106,7 +106,8 @@ class EtaEstimator:
         eta = cls(num_blocks=engine.block_manager.num_blocks, block_size=config.block_size,
                   max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                   prefix_caching=config.enable_prefix_caching, rows_to_read=rows_to_read, window=batching.window,
-                  bucketing=batching.bucketing, longest_first=batching.longest_first, prior=ContextPrior.of_engine(engine),
+                  bucketing=batching.bucketing, longest_first=batching.longest_first,
+                  prior=ContextPrior.of_engine(engine),
                   saved=saved)
         engine.observe(lambda stats: eta.observe_step(stats.shape, stats.step_time, stats.output_tokens))
         return eta
