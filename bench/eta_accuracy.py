@@ -38,14 +38,25 @@ POINTS = (0.10, 0.25, 0.50, 0.75)
 
 
 def cpu_step_times(engine):
-    """From now on each engine step's time is the process's CPU time since the step before: an observer registered
-    ahead of the others sets it (engine.observe), so those that follow read it. Returns the stop function."""
-    last = [time.process_time()]
+    """From now on each engine step's time is the process's CPU time from the step's start to its observers (the
+    step's own work, as the engine's wall time is; what the runner does between steps stays out): engine.step is
+    wrapped to note the start, and an observer registered ahead of the others sets the time that they read.
+    Returns the function that undoes both."""
+    started, real_step = [0.0], engine.step
+
+    def step(*args, **kwargs):
+        started[0] = time.process_time()
+        return real_step(*args, **kwargs)
 
     def cpu_step(stats):
-        now = time.process_time()
-        stats.step_time, last[0] = now - last[0], now
-    return engine.observe(cpu_step)
+        stats.step_time = time.process_time() - started[0]
+    engine.step = step
+    stop = engine.observe(cpu_step)
+
+    def undo():
+        stop()
+        del engine.step
+    return undo
 
 
 @contextlib.contextmanager
