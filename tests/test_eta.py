@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
+import batchrun.job.eta as eta_module
 import batchrun.job.progress as progress_module
 from batchrun.deadline import parse_deadline
 from batchrun.engine.request import Request
@@ -390,3 +391,36 @@ def test_a_failing_simulation_never_stops_the_job(monkeypatch):
     job.clock.t += 100
     after = job.eta.estimate(job.scheduler, [])   # the last estimate, counted down; no exception
     assert after.seconds_left == max(0.0, before.seconds_left - 100)
+
+
+def test_rows_read_but_not_admitted_share_their_prefixes_in_the_simulation():
+    # 40 rows, each prompt twice in a row (a repeated prompt, as bucketing puts copies side by side): with prefix
+    # caching the engine computes each once; the simulation sees the rows' own token ids, so its pool shares them too
+    prompts = [[7 + (i * 31 + j) % 500 for j in range(120)] for i in range(20) for _ in range(2)]
+    rows = [SimpleNamespace(token_ids=p, params=SamplingParams(max_tokens=4), error=None) for p in prompts]
+    pool = dict(POOL, prefix_caching=True)
+    eta = EtaEstimator(**pool, rows_to_read=len(rows), window=8192, bucketing=False, longest_first=False,
+                       clock=FakeClock(), min_interval_s=0)
+    eta.observe_rows(rows)
+    for n in range(MIN_STEPS + 4):   # a record of full chunks and decodes, priced per token
+        shape = StepShape(64, 1, 64 * (n + 1), 64 * (n + 1)) if n % 2 else StepShape(4, 4, 400, 400)
+        eta.observe_step(shape, step_seconds(shape))
+    for n in range(20):
+        eta.observe_finished(4, 4, 120)
+    scheduler = make_scheduler(POOL["num_blocks"], POOL["block_size"], POOL["max_num_seqs"],
+                               POOL["max_num_batched_tokens"], True)
+    computed = []
+    real = eta_module.simulate
+
+    def simulate(items, *args, **kwargs):
+        trace = real(items, *args, **kwargs)
+        computed.append(sum(s.tokens for s in trace.shapes))
+        return trace
+    eta_module.simulate = simulate
+    try:
+        assert eta.estimate(scheduler, rows) is not None
+    finally:
+        eta_module.simulate = real
+    # by prompt lengths alone every row's 120 tokens were computed (4,920 tokens with the outputs); a copy admitted in
+    # the same step as the first still computes its own, as in the engine
+    assert computed[0] < 0.75 * 40 * 120, computed
