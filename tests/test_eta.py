@@ -424,3 +424,15 @@ def test_rows_read_but_not_admitted_share_their_prefixes_in_the_simulation():
     # by prompt lengths alone every row's 120 tokens were computed (4,920 tokens with the outputs); a copy admitted in
     # the same step as the first still computes its own, as in the engine
     assert computed[0] < 0.75 * 40 * 120, computed
+    # a running request holding a prompt's KV: the rows that repeat it share it
+    running = Request("r", list(prompts[0]), SamplingParams(max_tokens=4), arrival_index=0)
+    running.num_computed_tokens = 120
+    scheduler.lanes[-1].block_manager.allocate_slots(running, 120)
+    scheduler.lanes[-1].running.append(running)
+    again = [SimpleNamespace(token_ids=list(prompts[0]), params=SamplingParams(max_tokens=4), error=None)] * 3
+    eta_module.simulate, eta._next_simulation = simulate, 0.0
+    try:
+        eta.estimate(scheduler, again)
+    finally:
+        eta_module.simulate = real
+    assert computed[-1] < 4 * 16 + 4 * 4, computed   # each copy computes its last block alone

@@ -201,10 +201,11 @@ class EtaEstimator:
         self.lengths.fit(in_engine)
         queued_rows = list(queued_rows)
         fresh = functools.lru_cache(maxsize=None)(functools.partial(self.lengths.expected, 0))   # (max_tokens, prompt)
-        started = [WorkItem(r.num_tokens, self._left(r), r.num_computed_tokens) for r in running]
-        started += [WorkItem(r.num_tokens, self._left(r)) for r in waiting]
-        # their own token ids: with prefix caching the simulated pool shares their common prefixes (a chat template,
-        # a repeated prompt) as the engine's will; lengths alone priced every prompt token as computed
+        started = [WorkItem(tuple(r.token_ids), self._left(r), r.num_computed_tokens) for r in running]
+        started += [WorkItem(tuple(r.token_ids), self._left(r)) for r in waiting]
+        # every request by its own token ids: with prefix caching the simulated pool shares their common prefixes (a
+        # chat template, a repeated prompt; with the running ones too) as the engine's will; lengths alone priced
+        # every prompt token as computed
         queued = [WorkItem(tuple(row.token_ids), fresh(row.params.max_tokens, len(row.token_ids)))
                   for row in queued_rows]
         unread = max(0, self.rows_to_read - self.rows_read)
