@@ -2,13 +2,15 @@
 
     python bench/eta_accuracy.py [--job jobs/demo.yaml] [--every 10] [--json out.json] [--set batching.pilot=0.2]
                                  [--dtypes float32,bfloat16] [--orders longest_first] [--rows 1000] [--repeats 3]
+                                 [--cpu-clock]
 
 Runs the job into fresh temporary output directories, per compute dtype (--dtypes, engine.dtype) in both orders:
 bucketing with shortest prompts first (the default), then longest first. --rows N runs N rows cycled from the
 job's input (ids made unique, max_tokens varied 16-256 by a fixed pattern) instead of the input as it is.
 --repeats N runs each cell (dtype x order) N times: every run's points are shown, then each point's mean and spread
-(min..max) over the runs, so that a bias (the mean) is told from the machine's noise (the spread). Beside the job's
-own estimate (job/eta.py: the work left simulated with the step-time model fitted on the job's own steps) it
+(min..max) over the runs, so that a bias (the mean) is told from the machine's noise (the spread). --cpu-clock
+times the job and its estimate on the process's CPU clock (cpu_clocked): on a core shared with other processes.
+Beside the job's own estimate (job/eta.py: the work left simulated with the step-time model fitted on the job's own steps) it
 records the row-count estimate the progress line used before (rows left / rows per second so far). Reports the error of each against the time that was really left, at 10, 25, 50 and 75 % of
 the run's stepping wall time (from its first engine step to its end; model load not counted). Goal (issue 18):
 within +-15 % from 25 % on in both orders, +-30 % at 10 %; the p10-p90 band holding the time really left at >= 80 %
@@ -17,6 +19,7 @@ of the points (issue 35).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -29,27 +32,73 @@ import pyarrow.parquet as pq
 import batchrun.job.progress as progress_module
 from batchrun.cpuinfo import cpu_model, cpu_flags
 from batchrun.job import Job, JobSpec
+from batchrun.job.eta import EtaEstimator
 
 POINTS = (0.10, 0.25, 0.50, 0.75)
 
 
-def run_recorded(job: str, order: dict, every: float, overrides: list[str]) -> dict:
+def cpu_step_times(engine):
+    """From now on each engine step's time is the process's CPU time from the step's start to its observers (the
+    step's own work, as the engine's wall time is; what the runner does between steps stays out): engine.step is
+    wrapped to note the start, and an observer registered ahead of the others sets the time that they read.
+    Returns the function that undoes both."""
+    started, real_step = [0.0], engine.step
+
+    def step(*args, **kwargs):
+        started[0] = time.process_time()
+        return real_step(*args, **kwargs)
+
+    def cpu_step(stats):
+        stats.step_time = time.process_time() - started[0]
+    engine.step = step
+    stop = engine.observe(cpu_step)
+
+    def undo():
+        stop()
+        del engine.step
+    return undo
+
+
+@contextlib.contextmanager
+def cpu_clocked():
+    """The job's ETA on the process's CPU clock: each engine step's time is the CPU time since the step before
+    (cpu_step_times, ahead of the estimator's observer) and the estimator's clock is time.process_time. On a core shared with
+    other processes, their load moves the job's wall time by tens of percent as it comes and goes, which no estimate
+    from the job's own steps can foresee; the CPU clock measures the estimate as on a core of its own."""
+    real = EtaEstimator.from_engine.__func__
+
+    def from_engine(cls, engine, *args, **kwargs):
+        cpu_step_times(engine)
+        estimator = real(cls, engine, *args, **kwargs)
+        estimator.clock = time.process_time
+        return estimator
+
+    EtaEstimator.from_engine = classmethod(from_engine)
+    try:
+        yield
+    finally:
+        EtaEstimator.from_engine = classmethod(real)
+
+
+def run_recorded(job: str, order: dict, every: float, overrides: list[str], cpu_clock: bool = False) -> dict:
     """Run the job, recording (seconds since its first step, job ETA, row-count ETA, rows done) every `every`
-    seconds. Model load and compilation come before the first step and are not counted."""
+    seconds (of the process's CPU time with cpu_clock, and the job's ETA on that clock: cpu_clocked). Model load and
+    compilation come before the first step and are not counted."""
     records, real_tick = [], progress_module.Progress.tick
     start, first, last = None, None, [-every]
+    clock = time.process_time if cpu_clock else time.monotonic
 
     def tick(self, engine, queued):
         nonlocal start, first
         due = real_tick(self, engine, queued)
-        now = time.monotonic()
+        now = clock()
         start = start if start is not None else now
         if first is None and self.eta is not None:
             first = (now - start, self.eta.seconds_left)
         if now - last[0] >= every:
             last[0] = now
             rows = self.done - self.done_at_start
-            rate = rows / max(now - self.start, 1e-9)
+            rate = rows / max(now - (start if cpu_clock else self.start), 1e-9)
             records.append((now - start, self.eta.seconds_left if self.eta else None,
                             (self.total - self.done) / rate if rows else None, self.done,
                             self.eta.low if self.eta else None, self.eta.high if self.eta else None,
@@ -58,14 +107,14 @@ def run_recorded(job: str, order: dict, every: float, overrides: list[str]) -> d
 
     progress_module.Progress.tick = tick
     try:
-        with tempfile.TemporaryDirectory() as out:
+        with tempfile.TemporaryDirectory() as out, (cpu_clocked() if cpu_clock else contextlib.nullcontext()):
             result = Job.from_yaml(job, [f"output.path={out}/run", "output.log_every_s=60",
                                          *(f"batching.{k}={str(v).lower()}" for k, v in order.items()),
                                          *overrides]).run(
                 progress="log")
     finally:
         progress_module.Progress.tick = real_tick
-    wall = time.monotonic() - start
+    wall = clock() - start
     tokens = result.summary["output_tokens_this_run"]
     return {"wall_s": round(wall, 1), "rows": result.summary["rows_this_run"], "records": records,
             "first_estimate": first and first_estimate(*first, wall), "errors": errors_at(records, wall, tokens)}
@@ -95,6 +144,7 @@ def errors_at(records: list, wall: float, tokens: int) -> dict:
             "row_eta_s": None if row_eta is None else round(row_eta, 1),
             "row_error_pct": None if row_eta is None else round(100 * (row_eta - left) / left, 1),
             "band_s": None if low is None else [round(low, 1), round(high, 1)],
+            "band_width_pct": None if low is None or not job_eta else round(100 * (high - low) / job_eta, 1),
             "in_band": None if low is None else low <= left <= high, "tokens_left": tokens_left,
             "tokens_error_pct": None if tokens_expected is None or not tokens_left
             else round(100 * (tokens_expected - tokens_left) / tokens_left, 1)}
@@ -126,6 +176,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, help="run this many rows cycled from the job's input")
     parser.add_argument("--orders", default="shortest_first,longest_first", help="bucketing orders to run")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each dtype x order cell")
+    parser.add_argument("--cpu-clock", action="store_true",
+                        help="time the job and its ETA on the process's CPU clock (a core shared with other load)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a job-file override for every run, as `batchrun submit --set` takes")
     args = parser.parse_args()
@@ -133,8 +185,10 @@ def main() -> None:
         parser.error(f"--repeats: at least 1, got {args.repeats}")
     flags = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in cpu_flags())
     result = {"cpu": cpu_model() or platform.processor(), "flags": flags, "job": args.job, "overrides": args.set,
+              "cores": sorted(os.sched_getaffinity(0)), "clock": "cpu" if args.cpu_clock else "wall",
               "load_before": os.getloadavg(), "runs": {}}
-    print(f"{result['cpu']}; {flags}; load {' '.join(f'{x:.2f}' for x in result['load_before'])}")
+    print(f"{result['cpu']}; {flags}; cores {result['cores']} (pin with taskset); {result['clock']} clock; "
+          f"load {' '.join(f'{x:.2f}' for x in result['load_before'])}")
     with tempfile.TemporaryDirectory() as scratch:
         overrides = list(args.set)
         if args.rows:
@@ -146,7 +200,7 @@ def main() -> None:
                 extra = [] if dtype == "auto" else [f"engine.dtype={dtype}"]
                 runs = result["runs"][name] = []
                 for repeat in range(args.repeats):
-                    runs.append(run_recorded(args.job, order, args.every, overrides + extra))
+                    runs.append(run_recorded(args.job, order, args.every, overrides + extra, args.cpu_clock))
                     report(f"{name} run {repeat + 1}/{args.repeats}", runs[-1], result["cpu"], flags)
                 if args.repeats > 1:
                     report_cell(name, runs)
@@ -154,7 +208,9 @@ def main() -> None:
     points = [e for runs in result["runs"].values() for run in runs for e in run["errors"].values()
               if e["in_band"] is not None]
     if points:
-        print(f"band coverage: {sum(e['in_band'] for e in points)} of {len(points)} points held the time left")
+        widths = sorted(e["band_width_pct"] for e in points if e["band_width_pct"] is not None)
+        print(f"band coverage: {sum(e['in_band'] for e in points)} of {len(points)} points held the time left; "
+              f"band width (p90 - p10) / estimate: median {widths[len(widths) // 2]} %, {widths[0]}-{widths[-1]} %")
     print(f"load after: {' '.join(f'{x:.2f}' for x in result['load_after'])}")
     if args.json:
         with open(args.json, "w") as f:
@@ -188,11 +244,12 @@ def report(name: str, run: dict, cpu: str, flags: str) -> None:
           + (f"at {first['at_s']} s ({first['at_pct']} %): {first['eta_s']} s, error {first['error_pct']} %"
              if first else "never"))
     print(f"  {'point':>5} {'at s':>7} {'rows':>5} {'left s':>7} {'job ETA':>8} {'error':>7} {'p10-p90':>14} "
-          f"{'row ETA':>8} {'error':>7} {'tok left':>8} {'error':>7}")
+          f"{'width':>6} {'row ETA':>8} {'error':>7} {'tok left':>8} {'error':>7}")
     for point, e in run["errors"].items():
         band = "-" if e["band_s"] is None else f"{e['band_s'][0]}-{e['band_s'][1]}" + ("" if e["in_band"] else "!")
         print(f"  {point:>5} {e['at_s']:>7} {e['rows_done']:>5} {e['actual_left_s']:>7} {e['job_eta_s']!s:>8} "
-              f"{e['job_error_pct']!s:>6}% {band:>14} {e['row_eta_s']!s:>8} {e['row_error_pct']!s:>6}% "
+              f"{e['job_error_pct']!s:>6}% {band:>14} {e['band_width_pct']!s:>5}% {e['row_eta_s']!s:>8} "
+              f"{e['row_error_pct']!s:>6}% "
               f"{e['tokens_left']:>8} {e['tokens_error_pct']!s:>6}%")
 
 

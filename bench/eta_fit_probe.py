@@ -1,19 +1,29 @@
 """Where a running job's time left goes wrong: the schedule it simulates, or the price it puts on each step.
 
     python bench/eta_fit_probe.py [--job jobs/demo.yaml] [--order shortest_first|longest_first] [--set KEY=VALUE]
+                                  [--steps steps.json]
+    python bench/eta_fit_probe.py --replay steps.json [--cpu-time]
 
 Runs the job once, recording every engine step (shape and measured time), every step-time fit the ETA makes and
 every simulation it runs. Then, for each simulation, sets the simulated steps beside the steps that really followed
 (count, tokens, sequences, KV read, prefill pairs) and prices both with that moment's fit, against the measured time
 of the real ones; and, per fit, the priced / measured ratio of the real steps that followed it, by kind of step.
 A simulation matching the real steps with a fit pricing them high is a step-model problem, not a scheduling one.
+
+--replay refits a recorded run (--steps) with today's fit (stepmodel/recent_fit.py, the run's priors) on its first
+15 ... 75 % of steps and prices the rest, by kind of step, without running the job: a change to the fit measured on
+the same steps. --cpu-time prices the steps' CPU time instead of their wall time: on a core shared with another
+process, its load moves the wall time of a step by tens of percent, not its CPU time.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import sys
 import tempfile
+import time
 
 import numpy as np
 
@@ -22,23 +32,34 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import batchrun.job.eta as eta_module  # noqa: E402
 from batchrun.cpuinfo import cpu_model  # noqa: E402
 from batchrun.job import Job  # noqa: E402
-from batchrun.stepmodel.costmodel import StepShape  # noqa: E402
+from batchrun.job.eta import WARMUP_STEPS  # noqa: E402
+from batchrun.stepmodel.costmodel import ContextPrior, StepShape  # noqa: E402
+from batchrun.stepmodel.recent_fit import fit_recent  # noqa: E402
 
 BATCH_BINS = ((1, 8), (8, 16), (16, 24), (24, 10**9))
+REPLAY_AT = (0.15, 0.25, 0.4, 0.5, 0.6, 0.75)
 
 
-def record(job: str, order: str, overrides: list[str]) -> tuple[list, dict, list]:
-    """(steps [(tokens, seqs, kv_tokens, attn_pairs, seconds)], {steps seen: fit}, [(steps seen, trace)])."""
-    steps, fits, sims = [], {}, []
+def record(job: str, order: str, overrides: list[str]) -> tuple[list, dict, list, list, ContextPrior | None]:
+    """(steps [(tokens, seqs, kv_tokens, attn_pairs, seconds, CPU seconds)], {steps seen: fit}, [(steps seen,
+    trace)], finished rows in order [(prompt tokens, generated, max_tokens)], the ETA's prior). CPU seconds: the process's CPU time
+    since the step before (the step and the runner's work around it), which another process on the same core does
+    not inflate as it does the step's wall time."""
+    steps, fits, sims, rows, prior = [], {}, [], [], []
+    cpu = [time.process_time()]
     estimator = eta_module.EtaEstimator
     real_observe, real_fit, real_simulate = estimator.observe_step, estimator._fit, eta_module.simulate
+    real_finished = estimator.observe_finished
 
     def observe(self, shape, seconds, output_tokens=0):
-        steps.append((shape.tokens, shape.seqs, shape.kv_tokens, shape.attn_pairs, seconds))
+        now = time.process_time()
+        steps.append((shape.tokens, shape.seqs, shape.kv_tokens, shape.attn_pairs, seconds, now - cpu[0]))
+        cpu[0] = now
         return real_observe(self, shape, seconds, output_tokens)
 
     def fit(self):
         fitted = real_fit(self)
+        prior[:] = [self.prior]
         if fitted is not None:
             fits[len(steps)] = fitted[0]
         return fitted
@@ -48,7 +69,12 @@ def record(job: str, order: str, overrides: list[str]) -> tuple[list, dict, list
         sims.append((len(steps), trace))
         return trace
 
+    def finished(self, generated, max_tokens, prompt_tokens):
+        rows.append((prompt_tokens, generated, max_tokens))
+        return real_finished(self, generated, max_tokens, prompt_tokens)
+
     estimator.observe_step, estimator._fit, eta_module.simulate = observe, fit, simulate
+    estimator.observe_finished = finished
     try:
         with tempfile.TemporaryDirectory() as out:
             Job.from_yaml(job, [f"output.path={out}/run", "output.log_every_s=60",
@@ -56,7 +82,8 @@ def record(job: str, order: str, overrides: list[str]) -> tuple[list, dict, list
                           ).run(progress="log")
     finally:
         estimator.observe_step, estimator._fit, eta_module.simulate = real_observe, real_fit, real_simulate
-    return steps, fits, sims
+        estimator.observe_finished = real_finished
+    return steps, fits, sims, rows, prior[0] if prior else None
 
 
 def report(steps: list, fits: dict, sims: list) -> None:
@@ -64,7 +91,7 @@ def report(steps: list, fits: dict, sims: list) -> None:
         return np.array([model.step_time(shape) for shape in shapes])
 
     real_shapes = [StepShape(*step[:4]) for step in steps]
-    measured = np.array([step[-1] for step in steps])
+    measured = np.array([step[4] for step in steps])
     print("simulated / real steps after each simulation, and both priced by that moment's fit")
     for at, trace in sims:
         sim = [sum(getattr(s, f) for s in trace.shapes) for f in ("tokens", "seqs", "kv_tokens", "attn_pairs")]
@@ -77,19 +104,38 @@ def report(steps: list, fits: dict, sims: list) -> None:
         print(line)
     print("each fit's priced / measured over the real steps that followed it")
     for at, model in fits.items():
-        rest, priced = measured[at:], price(model, real_shapes[at:])
-        tokens = np.array([s.tokens for s in real_shapes[at:]])
-        seqs = np.array([s.seqs for s in real_shapes[at:]])
-        parts = [f"all {priced.sum() / max(rest.sum(), 1e-9):.3f}"]
-        for lo, hi in BATCH_BINS:
-            kind = (seqs >= lo) & (seqs < hi) & (tokens <= seqs)   # decode steps of that batch size
-            if kind.any():
-                parts.append(f"decode {lo}-{min(hi - 1, seqs.max())} seqs {priced[kind].sum() / rest[kind].sum():.3f}"
-                             f" ({kind.sum()})")
-        prefill = tokens > seqs
-        if prefill.any():
-            parts.append(f"with prefill {priced[prefill].sum() / rest[prefill].sum():.3f} ({prefill.sum()})")
-        print(f"  fit at step {at}: " + ", ".join(parts))
+        print(f"  fit at step {at}: " + kinds_priced(price(model, real_shapes[at:]), measured[at:], real_shapes[at:]))
+
+
+def kinds_priced(priced: np.ndarray, measured: np.ndarray, shapes: list[StepShape]) -> str:
+    """priced / measured over all steps, decode steps by batch size, and steps with a prefill chunk."""
+    tokens, seqs = np.array([s.tokens for s in shapes]), np.array([s.seqs for s in shapes])
+    parts = [f"all {priced.sum() / max(measured.sum(), 1e-9):.3f}"]
+    for lo, hi in BATCH_BINS:
+        kind = (seqs >= lo) & (seqs < hi) & (tokens <= seqs)
+        if kind.any():
+            parts.append(f"decode {lo}-{min(hi - 1, seqs.max())} seqs {priced[kind].sum() / measured[kind].sum():.3f}"
+                         f" ({kind.sum()})")
+    prefill = tokens > seqs
+    if prefill.any():
+        parts.append(f"with prefill {priced[prefill].sum() / measured[prefill].sum():.3f} ({prefill.sum()})")
+    return ", ".join(parts)
+
+
+def replay(path: str, cpu_time: bool) -> None:
+    with open(path) as f:
+        run = json.load(f)
+    prior = run.get("prior") and ContextPrior(**run["prior"])
+    kept = [step for step in run["steps"][WARMUP_STEPS:] if step[0]]   # as the ETA records them
+    shapes = [StepShape(*step[:4]) for step in kept]
+    measured = np.array([step[5 if cpu_time else 4] for step in kept])
+    print(f"{path}: {run['cpu']}, {run['order']}, overrides {run['overrides']}, {len(kept)} steps, "
+          f"{'CPU' if cpu_time else 'wall'} time, prior {prior}")
+    for share in REPLAY_AT:
+        at = int(share * len(kept))
+        model = fit_recent(shapes[:at], list(measured[:at]), prior=prior).model
+        priced = np.array([model.step_time(s) for s in shapes[at:]])
+        print(f"  fit on the first {round(100 * share)} %: " + kinds_priced(priced, measured[at:], shapes[at:]))
 
 
 def main() -> None:
@@ -98,9 +144,21 @@ def main() -> None:
                                                   "jobs", "demo.yaml"))
     ap.add_argument("--order", default="shortest_first", choices=("shortest_first", "longest_first"))
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a job-file override")
+    ap.add_argument("--steps", help="write every recorded step [tokens, seqs, kv_tokens, attn_pairs, seconds, CPU "
+                                    "seconds] and finished row [prompt tokens, generated, max_tokens] here (JSON), "
+                                    "to replay fits and forecasts offline")
+    ap.add_argument("--replay", metavar="STEPS_JSON", help="refit a recorded run (--steps) instead of running one")
+    ap.add_argument("--cpu-time", action="store_true", help="with --replay: price the steps' CPU time")
     args = ap.parse_args()
+    if args.replay:
+        return replay(args.replay, args.cpu_time)
     print(f"CPU: {cpu_model()}; job {args.job}, {args.order}, overrides {args.set}")
-    report(*record(args.job, args.order, args.set))
+    steps, fits, sims, rows, prior = record(args.job, args.order, args.set)
+    if args.steps:
+        with open(args.steps, "w") as f:
+            json.dump({"cpu": cpu_model(), "job": args.job, "order": args.order, "overrides": args.set,
+                       "prior": prior and dataclasses.asdict(prior), "steps": steps, "finished": rows}, f)
+    report(steps, fits, sims)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The running job's step-time fit on a synthetic clock: recent steps weigh more (a load change half-way is followed,
 where the fit of every step alike misprices), a fit is trusted only when the steps before the most recent ones
-price those (otherwise the level falls back to theirs and the band widens), and a burst of stalls does not move
-the coefficients."""
+price those (otherwise the level falls back to theirs and the band widens), a burst of stalls does not move
+the coefficients, and a decode step's per-sequence cost is told from a step's own, so the drain's small batches are
+priced right before the record holds any."""
 import copy
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 
 import batchrun.stepmodel.recent_fit as recent_fit
 from batchrun.engine.step_stats import StepShape
-from batchrun.stepmodel.costmodel import fit_linear
+from batchrun.stepmodel.costmodel import ContextPrior, fit_linear
 from batchrun.stepmodel.recent_fit import fit_recent
 from test_eta import SyntheticJob, prefill_law
 
@@ -97,3 +98,50 @@ def test_a_burst_of_stalls_does_not_move_the_fit():
     # its time comes back as its share of the record's time (stalls recur), not through the coefficients
     share = 8 * 0.2 / sum(times)
     assert burst.model.scale / clean.model.scale - 1 == pytest.approx(share, rel=0.1)
+
+
+def sequence_law(shape: StepShape) -> float:
+    """The prefill law and, as on the CPU, what a decode token costs beyond a prefill token (its lm_head row, its
+    sampling: e per sequence) and a step with a prefill chunk its own fixed cost (the prefill attention's calls)."""
+    return (0.02 + 3e-4 * shape.tokens + 9e-4 * shape.seqs + 2e-5 * shape.kv_tokens + 1e-6 * shape.prefill_pairs
+            + 0.008 * (shape.tokens > shape.seqs))
+
+
+def test_the_drains_small_batches_are_priced_from_full_ones_by_the_per_sequence_term():
+    """Half the rows done, every decode step so far a full batch (4): a step's own cost and its sequences' are one
+    number to the steps. With tokens alone (the four-term fit: a sequence costs what a token does) a full batch's
+    sequences went into a, and the drain's small batches that follow were priced 9 % high; with the per-sequence
+    term and its prior (a sequence's cost / a token's, from the model's shapes) within 1 %; a prior half the truth
+    is off by half as much as none; once the drain is in the record, the steps decide."""
+    rows = 48
+    job = SyntheticJob([20 + (i * 13) % 41 for i in range(rows)], [40 + (i * 37) % 160 for i in range(rows)],
+                       jitter=0.03, step_time=sequence_law)
+    job.run_until(rows // 2)
+    seen = len(job.eta.steps)
+    job.time_to_finish()
+    shapes, times = record(job)
+    assert not any(s.tokens == s.seqs < 4 for s in shapes[:seen])   # no small decode batch yet
+    kinds = {"drain": [s.tokens == s.seqs < 4 for s in shapes], "full": [s.tokens == s.seqs == 4 for s in shapes],
+             "prefill": [s.tokens > s.seqs for s in shapes]}
+
+    def priced(model, fitted_on=seen, as_tokens=False) -> dict:
+        """priced / measured of each kind of step after the fitted ones (as_tokens: each sequence one more token,
+        the steps as the four-term fit saw them)."""
+        out = {}
+        for kind, chosen in kinds.items():
+            steps = [(s, t) for s, t, c in list(zip(shapes, times, chosen))[fitted_on:] if c]
+            out[kind] = sum(model.step_time(StepShape(s.tokens, s.tokens, s.kv_tokens, s.attn_pairs) if as_tokens
+                                             else s) for s, _ in steps) / sum(t for _, t in steps)
+        return out
+
+    ratio = 2e-5 / 0.02
+    new = priced(fit_recent(shapes[:seen], times[:seen], prior=ContextPrior(ratio, sequence_ratio=3.0)).model)
+    as_tokens = [StepShape(s.tokens, s.tokens, s.kv_tokens, s.attn_pairs) for s in shapes[:seen]]
+    old = priced(fit_recent(as_tokens, times[:seen], prior=ContextPrior(ratio)).model, as_tokens=True)
+    assert old["drain"] > 1.07, old
+    assert all(abs(r - 1) < 0.015 for r in new.values()), new
+    half = priced(fit_recent(shapes[:seen], times[:seen], prior=ContextPrior(ratio, sequence_ratio=1.5)).model)
+    none = priced(fit_recent(shapes[:seen], times[:seen], prior=ContextPrior(ratio)).model)
+    assert abs(half["drain"] - 1) < 0.6 * abs(none["drain"] - 1), (half, none)
+    whole = fit_recent(shapes, times, prior=ContextPrior(ratio, sequence_ratio=1.5)).model
+    assert all(abs(r - 1) < 0.01 for r in priced(whole, fitted_on=0).values())

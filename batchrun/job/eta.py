@@ -1,14 +1,16 @@
 """Time left for a running job from the work left, not the rows left, priced by the planner's step model.
 
 Each engine step the runner records the step's shape and time. Every so often the step-time model
-t = a + b x tokens + c x context + d x prefill pairs (the fit `batchrun plan --calibrate` uses) is refitted, recent
+t = a + b x tokens + c x context + d x prefill pairs + e x sequences + g x [prefill in the step] (the fit
+`batchrun plan --calibrate` uses, costmodel.LinearModel) is refitted, recent
 steps weighing more and checked on the most recent ones (stepmodel/recent_fit.py), and the work left is simulated
 over the real scheduler: the engine's running requests as they stand (their KV in the cache), its waiting ones, the
 rows read but not admitted, and the rows not read yet (prompt lengths drawn from the rows read so far, bucketed as
 the feed will). Output lengths come from the rows finished so far, with the
 running ones and those cut by max_tokens as lower bounds (Kaplan-Meier), since outputs stop early and short ones
 finish first. While long prompts keep the KV pool full, the steps cannot tell a context token's cost from the
-step's own; the fit then leans on a prior from the bytes each reads (costmodel.ContextPrior).
+step's own; the fit then leans on a prior from the bytes each reads, as it does for a sequence's cost against a
+step's own while every decode step is a full batch (costmodel.ContextPrior).
 """
 from __future__ import annotations
 
@@ -23,9 +25,9 @@ from datetime import datetime
 
 import numpy as np
 
-from batchrun.job.eta_band import band, length_spread, step_spread
+from batchrun.job.eta_band import band, fit_error, length_spread, step_spread
 from batchrun.job.output_lengths import KEEP, OutputLengths
-from batchrun.stepmodel.costmodel import ContextPrior, LinearModel, ModelSpec, StepShape
+from batchrun.stepmodel.costmodel import ContextPrior, LinearModel, StepShape
 from batchrun.stepmodel.recent_fit import TOLERANCE, fit_recent
 from batchrun.stepmodel.simulate import WorkItem, simulate, timeline
 
@@ -36,6 +38,7 @@ MIN_SMALL_STEPS = 4       # steps of at most half the largest step's tokens befo
 UNSEEN_SHARE = 0.25       # until then, the most of a simulation's steps that may be such steps
 MAX_SIMULATED = 2000      # rows not started beyond this are simulated as an evenly spaced sample, scaled up
 SIM_COST_SHARE = 0.02     # re-simulate at most so often that simulating costs <= 2% of the job's time
+MISSES_KEPT = 8           # the held-out misses of the last fits, which the band's fit error is read from
 
 
 @dataclass
@@ -79,6 +82,7 @@ class EtaEstimator:
         self._last: tuple[float, int, Eta] | None = None     # (clock and output tokens at the simulation, its estimate)
         self._output_tokens = 0                              # generated so far, as the engine counts them
         self._recent: deque[tuple[float, float]] = deque(maxlen=3)   # (clock, seconds left) of the last simulations
+        self._misses: deque[float] = deque(maxlen=MISSES_KEPT)      # held-out misses of the last fits (eta_band)
         self._next_simulation = 0.0                          # clock time of the next simulation
         self._warned = False
 
@@ -102,7 +106,8 @@ class EtaEstimator:
         eta = cls(num_blocks=engine.block_manager.num_blocks, block_size=config.block_size,
                   max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                   prefix_caching=config.enable_prefix_caching, rows_to_read=rows_to_read, window=batching.window,
-                  bucketing=batching.bucketing, longest_first=batching.longest_first, prior=context_prior(engine),
+                  bucketing=batching.bucketing, longest_first=batching.longest_first,
+                  prior=ContextPrior.of_engine(engine),
                   saved=saved)
         engine.observe(lambda stats: eta.observe_step(stats.shape, stats.step_time, stats.output_tokens))
         return eta
@@ -181,11 +186,13 @@ class EtaEstimator:
         except (ValueError, np.linalg.LinAlgError):
             return None
         model = fitted.model
+        if fitted.miss is not None:
+            self._misses.append(fitted.miss)
         if self._run_steps >= MIN_STEPS and self._run_step_s > 0:
             self.overhead = max(1.0, (self.clock() - self._run_start) / self._run_step_s)
         half = max(shape.tokens for shape in shapes) / 2
         return (model, (half if sum(shape.tokens <= half for shape in shapes) < MIN_SMALL_STEPS else 0),
-                step_spread(model, shapes, times, TOLERANCE if fitted.miss is None else fitted.miss))
+                step_spread(model, shapes, times, fit_error(self._misses) if self._misses else TOLERANCE))
 
     def _simulate(self, model: LinearModel, unseen_up_to: float, steps_spread: tuple[float, float], running,
                   waiting, queued_rows) -> Eta | None:
@@ -194,9 +201,13 @@ class EtaEstimator:
         self.lengths.fit(in_engine)
         queued_rows = list(queued_rows)
         fresh = functools.lru_cache(maxsize=None)(functools.partial(self.lengths.expected, 0))   # (max_tokens, prompt)
-        started = [WorkItem(r.num_tokens, self._left(r), r.num_computed_tokens) for r in running]
-        started += [WorkItem(r.num_tokens, self._left(r)) for r in waiting]
-        queued = [WorkItem(len(row.token_ids), fresh(row.params.max_tokens, len(row.token_ids))) for row in queued_rows]
+        started = [WorkItem(tuple(r.token_ids), self._left(r), r.num_computed_tokens) for r in running]
+        started += [WorkItem(tuple(r.token_ids), self._left(r)) for r in waiting]
+        # every request by its own token ids: with prefix caching the simulated pool shares their common prefixes (a
+        # chat template, a repeated prompt; with the running ones too) as the engine's will; lengths alone priced
+        # every prompt token as computed
+        queued = [WorkItem(tuple(row.token_ids), fresh(row.params.max_tokens, len(row.token_ids)))
+                  for row in queued_rows]
         unread = max(0, self.rows_to_read - self.rows_read)
         pending = len(queued) + unread
         stride = max(1, math.ceil(pending / MAX_SIMULATED))
@@ -240,13 +251,6 @@ class EtaEstimator:
                 items[start:start + window] = sorted(items[start:start + window], key=lambda i: i.prompt,
                                                      reverse=self.longest_first)
         return items
-
-
-def context_prior(engine) -> ContextPrior:
-    """The engine's KV bytes per context token over the bytes of its weights (every expert counted: a decode step
-    of a batch reads most of them)."""
-    weights = ModelSpec.from_config(engine.hf_config).num_params * engine.dtype.itemsize
-    return ContextPrior.from_bytes(engine.kv_bytes_per_token, weights)
 
 
 def clock_text(at: datetime, now: datetime) -> str:

@@ -3,7 +3,8 @@
 - Output lengths: the finished rows are a sample. Resampling them (bootstrap) and asking again how many output tokens
   are left gives the spread of that count; the time left follows it (a step's cost is per token).
 - The step-time model: the measured time of blocks of recent consecutive steps against what the model priced them
-  at, the machine's swings (a shared CPU) and the fit's misses at the scale of a few seconds.
+  at, the machine's swings (a shared CPU) and the fit's misses at the scale of a few seconds; at least as wide as
+  the fit's error on steps it had not seen (fit_error: the held-out misses of recent fits, recent_fit).
 
 The two are taken as independent and added in quadrature, each side separately.
 """
@@ -19,6 +20,7 @@ from batchrun.job.output_lengths import OutputLengths
 from batchrun.stepmodel.costmodel import LinearModel, StepShape
 
 REPLICATES = 16        # bootstrap resamples of the finished rows
+Z90 = 1.2816           # the 90th percentile of a standard normal: p10-p90 is -+ Z90 sigma
 STEP_BLOCK = 20        # consecutive steps per block of the step model's error
 RECENT_STEPS = 400     # the steps the model's error is read from
 
@@ -46,10 +48,18 @@ def length_spread(lengths: OutputLengths, running: list[tuple[int, int]], rows: 
     return float(np.quantile(ratios, 0.1)), float(np.quantile(ratios, 0.9))
 
 
+def fit_error(misses) -> float:
+    """How far a fit may price the steps to come off: the latest held-out miss (the load may just have changed), and
+    at least Z90 x the root mean square of the recent fits' misses (one lucky small miss does not narrow the band
+    while the fits before it missed by more)."""
+    misses = np.asarray(list(misses), dtype=float)
+    return max(abs(misses[-1]), Z90 * float(np.sqrt(np.mean(misses ** 2)))) if len(misses) else 0.0
+
+
 def step_spread(model: LinearModel, shapes: list[StepShape], times: list[float], miss: float = 0.0
                 ) -> tuple[float, float]:
-    """p10 and p90 of measured / priced time over blocks of consecutive recent steps, widened to 1 -+ |miss|: how far
-    the fit before the most recent steps priced those off (recent_fit), the fit's error on steps it has not seen."""
+    """p10 and p90 of measured / priced time over blocks of consecutive recent steps, widened to 1 -+ |miss|: the
+    fit's error on steps it has not seen (fit_error)."""
     shapes, times = shapes[-RECENT_STEPS:], times[-RECENT_STEPS:]
     ratios = []
     for start in range(0, len(shapes) - STEP_BLOCK + 1, STEP_BLOCK):

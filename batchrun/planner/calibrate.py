@@ -1,5 +1,6 @@
 """Calibration: run a pilot of the job on this machine, fit t = a + b x tokens + c x sum(context) + d x prefill
-pairs on its steps, then predict the whole job by simulating it with the fitted model (same scheduler, same pool
+pairs + e x sequences + g x [prefill in the step] on its steps (costmodel.fit_linear, with the priors the job's ETA
+uses), then predict the whole job by simulating it with the fitted model (same scheduler, same pool
 size)."""
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import dataclass
 
 from batchrun.job.spec import JobSpec
 from batchrun.planner.workload import Workload
-from batchrun.stepmodel.costmodel import LinearModel, StepShape, fit_linear
+from batchrun.stepmodel.costmodel import ContextPrior, LinearModel, StepShape, fit_linear
 from batchrun.stepmodel.simulate import WorkItem, simulate, timeline
 
 WARMUP_STEPS = 2   # the first steps pay one-off costs (allocation, kernel selection): not fitted
@@ -69,7 +70,7 @@ def run_calibration(spec: JobSpec, work: Workload, fraction: float = 0.2, llm=No
     shapes, times, lengths, wall = run_pilot(llm, spec, pilot)
     shapes, times = [s for s, t in zip(shapes, times) if s.tokens][WARMUP_STEPS:], \
         [t for s, t in zip(shapes, times) if s.tokens][WARMUP_STEPS:]
-    model = fit_linear(shapes, times)
+    model = fit_linear(shapes, times, prior=ContextPrior.of_engine(llm.engine))   # the job's ETA fits the same way
     # the fit gives the shape of the step time; the pilot's total gives its level, stalls of this machine included
     model.scale = sum(times) / max(sum(model.step_time(s) for s in shapes), 1e-12)
     # expected output lengths: measured for pilot rows; the pilot's finish ratios, in turn, for the others

@@ -4,7 +4,8 @@ RooflineModel: time = overhead + max(bytes / (bandwidth x eff_bw), FLOPs / (peak
 read every weight once plus each sequence's KV, so they sit on the bandwidth side; prefill-heavy steps do
 2 x params FLOPs per token and sit on the compute side. A mixture-of-experts model does 2 x active params FLOPs
 per token and reads only the experts its tokens are routed to. LinearModel: t = a + b x tokens + c x sum(context)
-+ d x prefill pairs, fitted by least squares on measured steps (calibration, the job's ETA).
++ d x prefill pairs + e x sequences + g x [prefill in the step], fitted by least squares on measured steps
+(calibration, the job's ETA).
 """
 from __future__ import annotations
 
@@ -99,6 +100,13 @@ class ModelSpec:
         plain = self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2) + self.hidden_size
         projections = self._params(experts_per_moe_layer) - plain
         return projections * WEIGHT_FORMATS[self.weights] + plain * WEIGHT_BYTES
+
+    @property
+    def sequence_ratio(self) -> float:
+        """A sampled sequence's lm_head row against a token's pass through the layers, in FLOPs (vocab x hidden over
+        the layers' active parameters): what a decode token costs beyond a prefill token, per token's cost."""
+        embeddings = self.vocab_size * self.hidden_size
+        return embeddings / max(self.active_params - embeddings * (1 if self.tied_embeddings else 2), 1)
 
     @property
     def weight_bytes(self) -> int:
@@ -202,14 +210,23 @@ class RooflineModel:
 
 @dataclass
 class LinearModel:
-    """t = a + b x tokens + c x sum(context) + d x prefill pairs: fitted on measured steps of this machine. The last
-    term is a prefill chunk's attention (its new tokens x their context, StepShape.prefill_pairs), which grows
-    with the chunk's context as a decode step's does not: without it, c took that growth from the prefill steps
-    and mispriced the decode steps (and the reverse)."""
+    """t = a + b x tokens + c x sum(context) + d x prefill pairs + e x sequences + g x [a prefill chunk in the step]:
+    fitted on measured steps of this machine (calibration, the job's ETA).
+
+    - d: a prefill chunk's attention (its new tokens x their context, StepShape.prefill_pairs), which grows with the
+      chunk's context as a decode step's does not: without it, c took that growth from the prefill steps and
+      mispriced the decode steps (and the reverse).
+    - e: what each sequence costs beyond its tokens (its row of the lm_head, its sampling). A decode token pays it, a
+      prefill token does not: with tokens alone, a full batch's 32 x e went into a, and the small batches of a job's
+      drain were priced 4-9 % high, the prefill steps 3-4 % low (SmolLM2, bf16 and fp32 on a Xeon).
+    - g: a step with a prefill chunk runs the prefill attention path besides the decode one (its per-layer calls):
+      a fixed cost of such steps, which a mixed step of a few new tokens otherwise lacked (priced 3-4 % low)."""
     a: float
     b: float
     c: float
     d: float = 0.0
+    e: float = 0.0
+    g: float = 0.0
     train_error: float = 0.0       # mean absolute % error on the steps it was fitted on
     heldout_error: float = 0.0     # ... on held-out steps
     heldout_total_error: float = 0.0  # % error of the summed time of the held-out steps
@@ -218,11 +235,13 @@ class LinearModel:
     scale: float = 1.0             # measured / fitted time over every pilot step: the stalls put back in the level
 
     def step_time(self, s: StepShape) -> float:
-        return self.scale * max(self.a + self.b * s.tokens + self.c * s.kv_tokens + self.d * s.prefill_pairs, 0.0)
+        return self.scale * max(self.a + self.b * s.tokens + self.c * s.kv_tokens + self.d * s.prefill_pairs
+                                + self.e * s.seqs + self.g * (s.tokens > s.seqs), 0.0)
 
     def to_dict(self) -> dict:
         return {"a_s": self.a, "b_s_per_token": self.b, "c_s_per_context_token": self.c,
-                "d_s_per_prefill_pair": self.d, "steps": self.steps,
+                "d_s_per_prefill_pair": self.d, "e_s_per_sequence": self.e, "g_s_per_prefill_step": self.g,
+                "steps": self.steps,
                 "outliers": self.outliers, "scale": round(self.scale, 4), "train_mape_pct": round(self.train_error, 2),
                 "heldout_mape_pct": round(self.heldout_error, 2),
                 "heldout_total_error_pct": round(self.heldout_total_error, 2)}
@@ -232,35 +251,71 @@ def _mape(pred: np.ndarray, y: np.ndarray) -> float:
     return float(np.mean(np.abs(pred - y) / np.maximum(y, 1e-9)) * 100)
 
 
+A, B, C, D, E, G = range(6)   # LinearModel's coefficients, in the order of fit_linear's columns
+
+
+def step_features(shapes: list[StepShape]) -> np.ndarray:
+    """fit_linear's columns: 1, tokens, context, prefill pairs, sequences, a prefill chunk in the step (0/1)."""
+    return np.array([[1.0, s.tokens, s.kv_tokens, s.prefill_pairs, s.seqs, float(s.tokens > s.seqs)]
+                     for s in shapes], dtype=float)
+
+
 @dataclass(frozen=True)
 class ContextPrior:
-    """What the fit assumes about c where the steps cannot tell it apart from a: c = ratio x a, to within `spread`.
+    """What the fit assumes where the steps cannot tell two coefficients apart.
 
-    A decode step reads every weight once (a) and each context token's KV once (c); where both are bandwidth-bound
-    their ratio is the ratio of the bytes, KV bytes per token / weight bytes, whatever the machine's bandwidth. While
-    the KV pool is full, every step's context sum is about the same, and least squares alone puts the attention into
-    a, which then overprices the short-context steps that follow. Steps whose contexts vary outweigh the prior. Where
-    a holds much besides reading the weights (launch and scheduling overhead on a GPU), ratio x a overstates c."""
-    ratio: float          # (s per context token) / (s per step)
-    spread: float = 0.25  # its relative standard deviation
+    - c = ratio x a, to within `spread`. A decode step reads every weight once (a) and each context token's KV once
+      (c); where both are bandwidth-bound their ratio is the ratio of the bytes, KV bytes per token / weight bytes,
+      whatever the machine's bandwidth. While the KV pool is full, every step's context sum is about the same, and
+      least squares alone puts the attention into a, which then overprices the short-context steps that follow. Steps
+      whose contexts vary outweigh the prior. Where a holds much besides reading the weights (launch and scheduling
+      overhead on a GPU), ratio x a overstates c.
+    - e = sequence_ratio x b: a sequence's lm_head row against a token's layers (their FLOPs: vocab x hidden over
+      the layers' parameters). While every decode step runs a full batch, a step's own cost and its sequences'
+      cannot be told apart; the drain's small batches that follow are priced by this split."""
+    ratio: float               # (s per context token) / (s per step)
+    spread: float = 0.25       # its relative standard deviation
+    sequence_ratio: float = 0.0   # (s per sequence) / (s per token); 0: nothing known, e ~ 0 unless the steps say
 
     @classmethod
-    def from_bytes(cls, kv_bytes_per_token: float, weight_bytes: float) -> "ContextPrior":
-        return cls(kv_bytes_per_token / max(weight_bytes, 1.0))
+    def from_bytes(cls, kv_bytes_per_token: float, weight_bytes: float, sequence_ratio: float = 0.0
+                   ) -> "ContextPrior":
+        return cls(kv_bytes_per_token / max(weight_bytes, 1.0), sequence_ratio=sequence_ratio)
 
-    def row(self, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The prior as one more least-squares row, w x (c - ratio x a) = 0: a Gaussian prior on c - ratio x a with
-        deviation spread x ratio x a0, weighed against the steps' noise sigma (w = sigma / deviation); a0 and sigma
-        come from the fit tied to the prior (c = ratio x a)."""
-        tied_x = np.c_[x[:, 0] + self.ratio * x[:, 2], x[:, 1], x[:, 3:]]
-        tied = _nonneg_lstsq(tied_x, y)
-        if tied[0] <= 0:
-            return np.zeros((0, x.shape[1])), np.zeros(0)
-        sigma = _robust_sigma(y - tied_x @ tied)
-        w = sigma / (self.spread * self.ratio * tied[0])
-        row = np.zeros((1, x.shape[1]))
-        row[0, 0], row[0, 2] = -w * self.ratio, w
-        return row, np.zeros(1)
+    @classmethod
+    def of_engine(cls, engine) -> "ContextPrior":
+        """An engine's KV bytes per context token over the bytes of its weights (every expert counted: a decode step
+        of a batch reads most of them), and a sequence's lm_head row over a token's layers (sequence_ratio)."""
+        spec = ModelSpec.from_config(engine.hf_config)
+        return cls.from_bytes(engine.kv_bytes_per_token, spec.num_params * engine.dtype.itemsize,
+                              spec.sequence_ratio)
+
+
+SEQUENCE_SPREAD = 0.15   # the least deviation of e from its prior, in units of b
+
+
+def _prior_rows(x: np.ndarray, y: np.ndarray, prior: ContextPrior | None) -> tuple[np.ndarray, np.ndarray]:
+    """The priors as least-squares rows (x and y already weighted): Gaussian priors on c - ratio x a (deviation
+    spread x ratio x a0) and on e - sequence_ratio x b (deviation SEQUENCE_SPREAD x b0, at least), each weighed
+    against the steps' noise sigma (row weight = sigma / deviation). a0 and b0 come from the fit tied to the priors,
+    sigma from the free fit's residuals: where the steps fit the free model well, a wrong prior cannot pull it.
+    Without a prior: e ~ 0 (a sequence costs what a token does) unless the steps say otherwise."""
+    ratio, per_sequence = (prior.ratio, prior.sequence_ratio) if prior else (0.0, 0.0)
+    tied_x = np.c_[x[:, A] + ratio * x[:, C], x[:, B] + per_sequence * x[:, E], x[:, D], x[:, G]]
+    tied = _nonneg_lstsq(tied_x, y)
+    sigma = _robust_sigma(y - x @ _nonneg_lstsq(x, y))
+    rows = []
+    if prior and tied[0] > 0:
+        row = np.zeros(x.shape[1])
+        w = sigma / (prior.spread * prior.ratio * tied[0])
+        row[A], row[C] = -w * prior.ratio, w
+        rows.append(row)
+    if tied[1] > 0 and x[:, E].any():
+        row = np.zeros(x.shape[1])
+        w = sigma / (max(SEQUENCE_SPREAD, 0.5 * per_sequence) * tied[1])
+        row[B], row[E] = -w * per_sequence, w
+        rows.append(row)
+    return np.array(rows).reshape(-1, x.shape[1]), np.zeros(len(rows))
 
 
 def fit_linear(shapes: list[StepShape], times: list[float], holdout_every: int = 5,
@@ -272,18 +327,20 @@ def fit_linear(shapes: list[StepShape], times: list[float], holdout_every: int =
     if len(shapes) < need:
         raise ValueError(f"calibration: {len(shapes)} measured steps are too few to fit and check the step-time "
                          f"model (need at least {need}); run a longer pilot (--pilot-fraction)")
-    x = np.array([[1.0, s.tokens, s.kv_tokens, s.prefill_pairs] for s in shapes], dtype=float)
+    x = step_features(shapes)
     y = np.array(times, dtype=float)
     w = np.ones(len(y)) if weights is None else np.asarray(weights, dtype=float)
     root = np.sqrt(w)[:, None]
     held = (np.arange(len(y)) % holdout_every == holdout_every - 1) if holdout_every else np.zeros(len(y), bool)
     train = ~held
     # steps of one token count only (so far, full prefill chunks): a and b cannot be told apart; the time goes to b
-    if np.ptp(x[:, 1]) == 0:
-        x[:, 0], prior = 0.0, None
+    if np.ptp(x[:, B]) == 0:
+        x[:, A], prior = 0.0, None
+    if np.ptp(x[train, G]) == 0:   # all prefill steps, or none: their fixed cost is a's
+        x[:, G] = 0.0
     for _ in range(3):   # a shared CPU stalls now and then: drop steps far off the fit (3 robust sigmas), refit
         wx, wy = x[train] * root[train], y[train] * root[train, 0]
-        extra_x, extra_y = prior.row(wx, wy) if prior else (np.zeros((0, x.shape[1])), np.zeros(0))
+        extra_x, extra_y = _prior_rows(wx, wy, prior)
         coef = _nonneg_lstsq(np.vstack([wx, extra_x]), np.concatenate([wy, extra_y]))
         res = y - x @ coef
         sigma = _robust_sigma(res[train], None if weights is None else w[train])
