@@ -5,10 +5,6 @@ start without importing torch's compiler stack.
 """
 import importlib
 
-from batchrun import omp_wait
-
-omp_wait.set_default()   # before anything imports torch, which loads the OpenMP runtime
-
 _PUBLIC = {"LLM": "batchrun.engine.llm", "SamplingParams": "batchrun.sampling_params",
            "EngineConfig": "batchrun.config", "RequestOutput": "batchrun.engine.request", "Job": "batchrun.job",
            "plan": "batchrun.planner.api"}

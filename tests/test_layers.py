@@ -7,7 +7,7 @@ import os
 import batchrun
 
 FLOORS = [
-    {"cpuinfo", "paths", "config", "structured", "attention_metadata", "admission_order", "deadline", "omp_wait"},
+    {"cpuinfo", "paths", "config", "structured", "attention_metadata", "admission_order", "deadline"},
     {"sampling_params", "kernels", "models"},
     {"quant"},                               # quantized weights: formats, kernels, the loader's hook
     {"engine"},
