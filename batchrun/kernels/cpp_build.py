@@ -62,3 +62,18 @@ def load(name: str, sources: list[Path], label: str, fallback: str):
     except Exception as exc:   # a missing toolchain piece shows up only here
         log.warning("%s: build failed (%s); using %s", label, str(exc).splitlines()[0], fallback)
         return None
+
+
+class Kernel:
+    """A kernel module built on first use and at most once a process: `load()` returns it, or None (see `load`)."""
+
+    def __init__(self, name: str, sources: list[Path], label: str, fallback: str):
+        self.name, self.sources, self.label, self.fallback = name, sources, label, fallback
+        self.module = None
+        self._tried = False
+
+    def load(self):
+        if not self._tried:
+            self._tried = True
+            self.module = load(self.name, self.sources, self.label, self.fallback)
+        return self.module

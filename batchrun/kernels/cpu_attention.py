@@ -19,19 +19,11 @@ import torch
 
 from batchrun.kernels import cpp_build
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_vec.h")]
 _QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_module = None
-_tried = False
-
-
-def load():
-    """The compiled module, or None (no compiler, failed build, or turned off); built at most once a process."""
-    global _module, _tried
-    if not _tried:
-        _tried = True
-        _module = cpp_build.load("batchrun_cpu_attention", _SOURCES, "CPU attention kernel", "the slower torch path")
-    return _module
+_kernel = cpp_build.Kernel("batchrun_cpu_attention",
+                           [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_vec.h")],
+                           "CPU attention kernel", "the slower torch path")
+load = _kernel.load   # the compiled module, or None (no compiler, failed build, or turned off)
 
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -40,6 +32,6 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Same contract as reference.paged_decode_attention; call only when load() returned a module."""
     q = query.contiguous() if query.dtype in _QUERY_DTYPES else query.float().contiguous()
-    out = _module.paged_decode_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables.long().contiguous(),
+    out = _kernel.module.paged_decode_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables.long().contiguous(),
                                          context_lens.long().contiguous(), scale, window or 0, softcap or 0.0)
     return out.to(query.dtype)

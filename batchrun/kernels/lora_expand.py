@@ -13,24 +13,16 @@ import torch
 
 from batchrun.kernels import cpp_build
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("lora_expand.cpp", "cpu_vec.h")]
-_module = None
-_tried = False
-
-
-def load():
-    """The compiled module, or None (see cpp_build.load); built at most once a process."""
-    global _module, _tried
-    if not _tried:
-        _tried = True
-        _module = cpp_build.load("batchrun_lora_expand", _SOURCES, "LoRA expand kernel", "oneDNN's masked products")
-    return _module
+_kernel = cpp_build.Kernel("batchrun_lora_expand",
+                           [Path(__file__).with_name(name) for name in ("lora_expand.cpp", "cpu_vec.h")],
+                           "LoRA expand kernel", "oneDNN's masked products")
+load = _kernel.load   # the compiled module, or None (see cpp_build.load)
 
 
 def flat_block(bt: torch.Tensor) -> torch.Tensor:
     """One module's B^T [r, n] in the kernel's flat layout: as it is, or for bfloat16 on a CPU with AVX512-BF16 the
     rank's pairs interleaved ([ceil(r / 2), n, 2], an odd rank padded with a zero row)."""
-    if bt.dtype != torch.bfloat16 or not _module.bf16_pairs():
+    if bt.dtype != torch.bfloat16 or not _kernel.module.bf16_pairs():
         return bt.flatten()
     if len(bt) % 2:
         bt = torch.cat([bt, bt.new_zeros(1, bt.shape[1])])
@@ -40,4 +32,4 @@ def flat_block(bt: torch.Tensor) -> torch.Tensor:
 def expand(y: torch.Tensor, h: torch.Tensor, bt: torch.Tensor, pieces: torch.Tensor, first: torch.Tensor,
            runs: torch.Tensor) -> torch.Tensor:
     """A new contiguous y + update (the table layouts: lora_expand.cpp); call only when load() returned a module."""
-    return _module.lora_expand(y, h, bt, pieces, first, runs)
+    return _kernel.module.lora_expand(y, h, bt, pieces, first, runs)
