@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -17,7 +18,7 @@ from batchrun.engine.model_runner import ModelRunner
 from batchrun.engine.request import Request, RequestOutput
 from batchrun.engine.sampler import Sampler
 from batchrun.engine.scheduler import Lane, Scheduler, WaitingQueue, default_admission_key
-from batchrun.engine.step_stats import StepShape, StepStats
+from batchrun.engine.step_stats import PhaseClock, StepShape, StepStats
 from batchrun.engine.stop import StopRule
 from batchrun.models import cpu_gemm
 from batchrun.quant import formats as quant_formats
@@ -218,7 +219,8 @@ class Engine:
         A request that fails after the forward (its grammar, its sampling, its stop rule) ends alone with
         finish_reason 'error' and its reason; the step goes on for the others. A forward that raises is the
         engine's failure: it propagates."""
-        clock = _PhaseClock(self.device, any(sync for _, sync in self._observers))
+        synchronized = self.device.type == "cuda" and any(sync for _, sync in self._observers)
+        clock = PhaseClock(functools.partial(torch.cuda.synchronize, self.device) if synchronized else None)
         touched = self._rejected
         self._rejected = []
         plan = self.scheduler.schedule()
@@ -226,9 +228,7 @@ class Engine:
         clock.lap("schedule_s")
         if plan.scheduled:
             self.stats.prompt_tokens += plan.num_prompt_tokens
-            logits, sample_reqs, scored = self.runner.run(plan, self._pool_of)
-            for request, values in scored:
-                request.prompt_logprobs.extend(values)
+            logits, sample_reqs = self.runner.run(plan, self._pool_of)
             clock.lap("forward_s")
             failed: dict[Request, str] = {}   # request -> why it ends now, alone
             logits, sample_reqs = self._fork(logits, sample_reqs, failed)
@@ -368,7 +368,7 @@ class Engine:
             latency=(request.finish_time - request.arrival_time) if done else None, sample_index=request.sample_index,
             num_samples=request.num_samples)
 
-    def _update_stats(self, shape: StepShape, clock: "_PhaseClock") -> None:
+    def _update_stats(self, shape: StepShape, clock: "PhaseClock") -> None:
         s = self.stats
         s.step += 1
         lanes = self.scheduler.lanes
@@ -381,23 +381,3 @@ class Engine:
             setattr(s, phase, seconds)
         s.step_time = clock.total
 
-
-class _PhaseClock:
-    """Seconds per phase of one step (waiting for the device at each lap when asked to)."""
-
-    def __init__(self, device: torch.device, synchronize: bool):
-        self.sync = synchronize and device.type == "cuda"
-        self.device = device
-        self.start = self.last = time.perf_counter()
-        self.laps = dict.fromkeys(("schedule_s", "forward_s", "sample_s", "update_s"), 0.0)
-
-    def lap(self, phase: str) -> None:
-        if self.sync:
-            torch.cuda.synchronize(self.device)
-        now = time.perf_counter()
-        self.laps[phase] += now - self.last
-        self.last = now
-
-    @property
-    def total(self) -> float:
-        return self.last - self.start

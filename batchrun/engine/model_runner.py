@@ -105,18 +105,16 @@ class ModelRunner:
             return request, 0, request.num_tokens
         return request, request.num_computed_tokens, n
 
-    def run(self, plan: StepPlan, pool_of: Callable[[Request], int]
-            ) -> tuple[torch.Tensor, list[Request], list[tuple[Request, list[float]]]]:
-        """Forward the planned tokens; returns logits [S, vocab] for the S requests that sample this step, and the
-        prompt-token logprobs computed this step for the requests that asked for them."""
+    def run(self, plan: StepPlan, pool_of: Callable[[Request], int]) -> tuple[torch.Tensor, list[Request]]:
+        """Forward the planned tokens; returns logits [S, vocab] for the S requests that sample this step. Prompt
+        tokens scored this step (SamplingParams.prompt_logprobs) go onto their requests' prompt_logprobs."""
         inputs, sample_reqs, row_adapters, scored = self.prepare(plan, pool_of)
         with lora.step(self.adapters.update(row_adapters) if self.adapters is not None else None):
             logits = self.execute(inputs)
-        num_sampled = len(sample_reqs)
         if not scored.requests:
-            return logits, sample_reqs, []
-        values = token_logprobs(logits[num_sampled:], scored.targets(self.device))
-        return logits[:num_sampled], sample_reqs, scored.split(values)
+            return logits, sample_reqs
+        scored.record(token_logprobs(logits[len(sample_reqs):], scored.targets(self.device)))
+        return logits[:len(sample_reqs)], sample_reqs
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
@@ -179,12 +177,12 @@ class PromptScoring:
     def targets(self, device: torch.device) -> torch.Tensor:
         return torch.tensor(self.target_ids, device=device, dtype=torch.long)
 
-    def split(self, values: list[float]) -> list[tuple[Request, list[float]]]:
-        out, at = [], 0
+    def record(self, values: list[float]) -> None:
+        """Each request's share of the scored rows' logprobs, appended to its prompt_logprobs."""
+        at = 0
         for request, count in self.requests:
-            out.append((request, values[at:at + count]))
+            request.prompt_logprobs.extend(values[at:at + count])
             at += count
-        return out
 
 
 def _adapter(scheduled: tuple[Request, int, int]) -> str:

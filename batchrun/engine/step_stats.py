@@ -3,7 +3,9 @@ each step's StepStats to its observers (Engine.observe): the job's ETA, calibrat
 watch steps this way instead of wrapping the engine's methods."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -51,3 +53,23 @@ class StepStats:
     forward_s: float = 0.0
     sample_s: float = 0.0              # grammar masks, sampling, forks
     update_s: float = 0.0              # the scheduler's update, detokenizing finished requests
+
+
+class PhaseClock:
+    """Seconds per phase of one step; `synchronize` (waiting for the device) runs at each lap when given."""
+
+    def __init__(self, synchronize: Callable[[], None] | None = None):
+        self.sync = synchronize
+        self.start = self.last = time.perf_counter()
+        self.laps = dict.fromkeys(("schedule_s", "forward_s", "sample_s", "update_s"), 0.0)
+
+    def lap(self, phase: str) -> None:
+        if self.sync is not None:
+            self.sync()
+        now = time.perf_counter()
+        self.laps[phase] += now - self.last
+        self.last = now
+
+    @property
+    def total(self) -> float:
+        return self.last - self.start
