@@ -82,8 +82,7 @@ class Sampler:
         logprobs: list[float | None] = [None] * len(requests)
         if wanted:
             rows = torch.tensor(wanted, device=logits.device)
-            chosen = torch.log_softmax(logits[rows], dim=-1).gather(1, tokens[rows, None])[:, 0].tolist()
-            for i, value in zip(wanted, chosen):
+            for i, value in zip(wanted, token_logprobs(logits[rows], tokens[rows])):
                 logprobs[i] = value
         return tokens.tolist(), logprobs
 
