@@ -15,6 +15,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_attention_amx.h"
 #include "cpu_vec.h"
 
 namespace {
@@ -59,6 +60,14 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache, 
   constexpr bool kDots = batchrun::kBf16Dots && std::is_same_v<T, at::BFloat16> && std::is_same_v<Q, at::BFloat16> &&
                          DIM > 0 && DIM % 32 == 0;
   const Vec score_scale(kDots ? static_cast<float>(scale) : 1.f);   // otherwise folded into the float query
+  if constexpr (kDots && batchrun::kAmx && DIM % 64 == 0) {   // the scores on AMX tiles, where the CPU has them
+    if (batchrun::amx_ready() && block_size % batchrun::kTileRows == 0 && group <= batchrun::kTileRows) {
+      return batchrun::decode_attention_amx<DIM>(
+          reinterpret_cast<const at::BFloat16*>(q_ptr), reinterpret_cast<const at::BFloat16*>(k_ptr),
+          reinterpret_cast<const at::BFloat16*>(v_ptr), tables, lens, batch, heads, kv_heads, block_size, width,
+          static_cast<float>(scale), window, cap, reinterpret_cast<at::BFloat16*>(out_ptr));
+    }
+  }
   const bool whole_requests = batch >= 2 * at::get_num_threads();
   const int64_t split = whole_requests ? 1 : kv_heads, task_heads = kv_heads / split;
 

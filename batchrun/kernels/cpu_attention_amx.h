@@ -1,0 +1,214 @@
+// Paged decode attention on AMX tiles, for a bfloat16 cache and query (included by cpu_attention.cpp, which
+// dispatches here when the CPU has AMX-BF16 and the shapes fit; its comment gives the contract).
+//
+// Per request, KV head and 16 cache positions (one whole 16-row piece of a block):
+//   scores^T [16 positions, group] = K [16, DIM] x Q^T [DIM, group]. K's rows are the A operand as they lie in the
+//   pool (no transpose: a transposed K in the dot instruction's pair layout cost about as much as the dots it
+//   saved); Q^T is packed into pairs once per request.
+//   out [group, DIM] += P [group, 16] x V [16, DIM], V's rows interleaved in pairs of positions (cheap: unpacks),
+//   P rounded to bfloat16 as the vector path and flash attention do.
+// The online softmax runs per query head on 16-lane vectors between the two products.
+#pragma once
+
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "cpu_vec.h"
+
+namespace batchrun {
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+constexpr bool kAmx = true;
+
+// Linux hands out the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA), once per
+// process. BATCHRUN_CPU_AMX=0 keeps the vector path (for A/B measurement).
+inline bool amx_ready() {
+  static const bool ready = [] {
+    const char* env = std::getenv("BATCHRUN_CPU_AMX");
+    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return ready;
+}
+
+// Tile registers by role: macros, since GCC's tile intrinsics paste their operand into the instruction's text.
+#define BATCHRUN_KEYS_TILE 0
+#define BATCHRUN_SCORES_TILE 1
+#define BATCHRUN_QUERY_TILE 2
+#define BATCHRUN_OUT_TILE 3
+#define BATCHRUN_PROBS_TILE 4
+#define BATCHRUN_VALUES_TILE 5
+#define BATCHRUN_OUT2_TILE 6
+#define BATCHRUN_VALUES2_TILE 7
+constexpr int64_t kTileRows = 16;
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  void set(int tile, int rows_, int bytes) { rows[tile] = rows_, colsb[tile] = bytes; }
+};
+
+// Shapes of every role for a query group of `group` heads (<= 16).
+inline void configure_tiles(int group) {
+  TileConfig config;
+  config.set(BATCHRUN_KEYS_TILE, kTileRows, 64);        // 16 positions x 32 dims of K
+  config.set(BATCHRUN_QUERY_TILE, kTileRows, 4 * group);   // 32 dims of Q^T as 16 dim pairs x group
+  config.set(BATCHRUN_SCORES_TILE, kTileRows, 4 * group);  // scores^T, float32
+  config.set(BATCHRUN_PROBS_TILE, group, 2 * kTileRows);   // P: group x 16 positions, bfloat16
+  config.set(BATCHRUN_VALUES_TILE, kTileRows / 2, 64);     // 8 position pairs x 16 dims
+  config.set(BATCHRUN_OUT_TILE, group, 64);                // group x 16 dims, float32
+  config.set(BATCHRUN_VALUES2_TILE, kTileRows / 2, 64);    // the next 16 dims
+  config.set(BATCHRUN_OUT2_TILE, group, 64);
+  _tile_loadconfig(&config);
+}
+
+// scale, window and softcap as in decode_attention; block_size a multiple of 16; acc ends in bf16_slot order.
+template <int DIM>
+void decode_attention_amx(const at::BFloat16* q_ptr, const at::BFloat16* k_ptr, const at::BFloat16* v_ptr,
+                          const int64_t* tables, const int64_t* lens, int64_t batch, int64_t heads, int64_t kv_heads,
+                          int64_t block_size, int64_t width, float scale, int64_t window, float softcap,
+                          at::BFloat16* out_ptr) {
+  static_assert(DIM % 32 == 0);
+  constexpr int kWords = DIM / 32, kVecs = DIM / 16;
+  const int64_t group = heads / kv_heads, token_stride = kv_heads * DIM;
+  const bool whole_requests = batch >= 2 * at::get_num_threads();
+  const int64_t split = whole_requests ? 1 : kv_heads, task_heads = kv_heads / split;
+  const Vec score_scale(scale), neg_inf(-std::numeric_limits<float>::infinity()), cap(softcap);
+
+  at::parallel_for(0, batch * split, 1, [&](int64_t begin, int64_t end) {
+    configure_tiles(static_cast<int>(group));
+    const int64_t qheads = task_heads * group;
+    // Q^T per KV head: [word][dim pair][query head] pairs of bfloat16, the B operand of the score product
+    std::vector<uint32_t> q_pairs(task_heads * kWords * kTileRows * group);
+    std::vector<float> acc(qheads * DIM), top(qheads), total(qheads), ordered(DIM);
+    alignas(64) float scores[kTileRows * kTileRows], part[2 * kTileRows * kTileRows];
+    alignas(64) at::BFloat16 probs[kTileRows * kTileRows];
+    alignas(64) __m512i v_pairs[kTileRows / 2 * kVecs];
+    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(static_cast<int>(group)));
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / split, h_lo = (task % split) * task_heads, end_pos = lens[b];
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, end_pos - window) : 0;
+      const uint32_t* q_words = reinterpret_cast<const uint32_t*>(q_ptr + (b * heads + h_lo * group) * DIM);
+      for (int64_t qh = 0; qh < qheads; ++qh) {
+        const int64_t h = qh / group, g = qh % group;
+        for (int64_t pair = 0; pair < DIM / 2; ++pair) {
+          q_pairs[((h * kWords + pair / kTileRows) * kTileRows + pair % kTileRows) * group + g] =
+              q_words[qh * DIM / 2 + pair];
+        }
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(top.begin(), top.end(), -std::numeric_limits<float>::infinity());
+      std::fill(total.begin(), total.end(), 0.f);
+      const int64_t* table = tables + b * width;
+      for (int64_t start = lo / kTileRows * kTileRows; start < end_pos; start += kTileRows) {
+        // positions start + [first, last) are in the context (and the window); the rest of the 16 are masked
+        const int64_t first = std::max<int64_t>(lo - start, 0), last = std::min<int64_t>(end_pos - start, kTileRows);
+        const __mmask16 valid = static_cast<__mmask16>(((1u << last) - 1) & ~((1u << first) - 1));
+        const int64_t slot = table[start / block_size] * block_size + start % block_size;
+        if (start + kTileRows < end_pos) {   // the next piece's K and V rows towards the cache while this one computes
+          const int64_t next = start + kTileRows, next_slot = table[next / block_size] * block_size + next % block_size;
+          for (int64_t r = 0; r < kTileRows; ++r) {
+            const int64_t row = (next_slot + r) * token_stride + h_lo * DIM;
+            for (int64_t byte = 0; byte < task_heads * DIM * 2; byte += 64) {
+              _mm_prefetch(reinterpret_cast<const char*>(k_ptr + row) + byte, _MM_HINT_T1);
+              _mm_prefetch(reinterpret_cast<const char*>(v_ptr + row) + byte, _MM_HINT_T1);
+            }
+          }
+        }
+        for (int64_t h = h_lo; h < h_lo + task_heads; ++h) {
+          const at::BFloat16* k_rows = k_ptr + slot * token_stride + h * DIM;
+          const at::BFloat16* v_rows = v_ptr + slot * token_stride + h * DIM;
+          _tile_zero(BATCHRUN_SCORES_TILE);
+          for (int c = 0; c < kWords; ++c) {
+            _tile_loadd(BATCHRUN_KEYS_TILE, k_rows + 32 * c, token_stride * sizeof(at::BFloat16));
+            _tile_loadd(BATCHRUN_QUERY_TILE, q_pairs.data() + ((h - h_lo) * kWords + c) * kTileRows * group, 4 * group);
+            _tile_dpbf16ps(BATCHRUN_SCORES_TILE, BATCHRUN_KEYS_TILE, BATCHRUN_QUERY_TILE);
+          }
+          _tile_stored(BATCHRUN_SCORES_TILE, scores, 4 * group);
+          // V rows as position pairs (bf16_pair_rows' layout); rows outside [first, last) are zero, since an
+          // unwritten slot may hold NaN and 0 * NaN is NaN
+          for (int64_t r = 0; r < kTileRows; r += 2) {
+            for (int c = 0; c < kWords; ++c) {
+              const __m512i a = r >= first && r < last ? _mm512_loadu_si512(v_rows + r * token_stride + 32 * c)
+                                                       : _mm512_setzero_si512();
+              const __m512i n = r + 1 >= first && r + 1 < last
+                                    ? _mm512_loadu_si512(v_rows + (r + 1) * token_stride + 32 * c)
+                                    : _mm512_setzero_si512();
+              v_pairs[(r / 2) * kVecs + 2 * c] = _mm512_unpacklo_epi16(a, n);
+              v_pairs[(r / 2) * kVecs + 2 * c + 1] = _mm512_unpackhi_epi16(a, n);
+            }
+          }
+          float rescale[kTileRows];
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t qh = (h - h_lo) * group + g;
+            Vec s = Vec(_mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(static_cast<int>(g))),
+                                            scores, 4)) * score_scale;
+            if (softcap > 0) s = cap * (s / cap).tanh();
+            s = Vec(_mm512_mask_blend_ps(valid, neg_inf, s));
+            const float new_top = std::max(top[qh], s.reduce_max());
+            const Vec p = (s - Vec(new_top)).exp();
+            rescale[g] = std::exp(top[qh] - new_top);   // 0 on the first positions (top = -inf)
+            top[qh] = new_top;
+            total[qh] = total[qh] * rescale[g] + p.reduce_add();
+            _mm256_store_si256(reinterpret_cast<__m256i*>(probs + g * kTileRows), (__m256i)_mm512_cvtneps_pbh(p));
+          }
+          _tile_loadd(BATCHRUN_PROBS_TILE, probs, 2 * kTileRows);
+          for (int j = 0; j < kVecs; j += 2) {   // two products in flight before either result is read back
+            _tile_zero(BATCHRUN_OUT_TILE);
+            _tile_loadd(BATCHRUN_VALUES_TILE, v_pairs + j, kVecs * 64);
+            _tile_dpbf16ps(BATCHRUN_OUT_TILE, BATCHRUN_PROBS_TILE, BATCHRUN_VALUES_TILE);
+            _tile_zero(BATCHRUN_OUT2_TILE);
+            _tile_loadd(BATCHRUN_VALUES2_TILE, v_pairs + j + 1, kVecs * 64);
+            _tile_dpbf16ps(BATCHRUN_OUT2_TILE, BATCHRUN_PROBS_TILE, BATCHRUN_VALUES2_TILE);
+            _tile_stored(BATCHRUN_OUT_TILE, part, 64);
+            _tile_stored(BATCHRUN_OUT2_TILE, part + kTileRows * kTileRows, 64);
+            for (int half = 0; half < 2; ++half) {
+              for (int64_t g = 0; g < group; ++g) {
+                float* a = acc.data() + ((h - h_lo) * group + g) * DIM + 16 * (j + half);
+                const float* sum = part + half * kTileRows * kTileRows + 16 * g;
+                at::vec::fmadd(Vec::loadu(a), Vec(rescale[g]), Vec::loadu(sum)).store(a);
+              }
+            }
+          }
+        }
+      }
+      for (int64_t qh = 0; qh < qheads; ++qh) {   // back from the pair layout's element order, normalised
+        const float* a = acc.data() + qh * DIM;
+        for (int64_t i = 0; i < DIM; ++i) ordered[bf16_slot(i)] = a[i];
+        at::BFloat16* o = out_ptr + (b * heads + h_lo * group + qh) * DIM;
+        const float inv = 1.f / total[qh];
+        for (int64_t d = 0; d < DIM; d += kLanes) store_float(Vec::loadu(ordered.data() + d) * Vec(inv), o + d);
+      }
+    }
+    _tile_release();
+  });
+}
+#undef BATCHRUN_KEYS_TILE
+#undef BATCHRUN_SCORES_TILE
+#undef BATCHRUN_QUERY_TILE
+#undef BATCHRUN_OUT_TILE
+#undef BATCHRUN_PROBS_TILE
+#undef BATCHRUN_VALUES_TILE
+#undef BATCHRUN_OUT2_TILE
+#undef BATCHRUN_VALUES2_TILE
+#else
+constexpr bool kAmx = false;
+inline bool amx_ready() { return false; }
+template <int DIM>
+void decode_attention_amx(const at::BFloat16*, const at::BFloat16*, const at::BFloat16*, const int64_t*,
+                          const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t, float,
+                          at::BFloat16*) {}
+#endif
+
+}  // namespace batchrun
