@@ -82,3 +82,34 @@ def test_padding_rows_are_not_read(kernel):
     dirty = cpu_attention.paged_decode_attention(query, k, v, tables, lens, 0.25)
     assert torch.isfinite(dirty).all()
     torch.testing.assert_close(dirty, clean)
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (37, None), (None, 5.0), (20, 3.0)])
+@pytest.mark.parametrize("block_size,kv_heads,group,head_dim", [(16, 3, 3, 64), (32, 1, 16, 128), (16, 5, 1, 64)])
+def test_bfloat16_pieces_window_softcap(kernel, window, softcap, block_size, kv_heads, group, head_dim):
+    """The bfloat16 cache at the shapes the AMX path takes where the CPU has it (16-row pieces, two a step):
+    lengths that end inside a piece, on a piece's edge and within the first half of a 32-position step, tables
+    exactly as wide as the longest request, a window that starts mid-piece and a softcap, against the float32
+    reference; NaN in the unwritten rows of each request's last block changes nothing."""
+    lens = [1, 15, 16, 17, 33, 48, 100]
+    width = max(-(-n // block_size) for n in lens)
+    num_blocks = len(lens) * width
+    k, _ = random_pool(num_blocks, block_size, kv_heads, head_dim, torch.bfloat16, seed=11)
+    v, _ = random_pool(num_blocks, block_size, kv_heads, head_dim, torch.bfloat16, seed=12)
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(13))
+    tables = perm.view(len(lens), width)
+    context_lens = torch.tensor(lens)
+    query = torch.randn(len(lens), kv_heads * group, head_dim, generator=torch.Generator().manual_seed(14)).bfloat16()
+    scale = head_dim ** -0.5
+    got = cpu_attention.paged_decode_attention(query, k, v, tables, context_lens, scale, window=window,
+                                               softcap=softcap)
+    want = reference.paged_decode_attention(query.float(), k.float(), v.float(), tables, context_lens, scale,
+                                            window=window, softcap=softcap)
+    torch.testing.assert_close(got.float(), want.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
+    for i, n in enumerate(lens):
+        last_block = tables[i, (n - 1) // block_size]
+        k[last_block, (n - 1) % block_size + 1:] = float("nan")
+        v[last_block, (n - 1) % block_size + 1:] = float("nan")
+    dirty = cpu_attention.paged_decode_attention(query, k, v, tables, context_lens, scale, window=window,
+                                                 softcap=softcap)
+    torch.testing.assert_close(dirty, got, rtol=0, atol=0)
