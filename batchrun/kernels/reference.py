@@ -123,6 +123,9 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.T
     return torch.softmax(scores, dim=-1) @ v
 
 
+_PAD_MIN_CHUNK = 256
+
+
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_table: torch.Tensor, context_len: int, scale: float,
                             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
@@ -133,8 +136,16 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     keys = gather_kv(k_cache, k_scale, block_table[None], context_len, query.dtype)
     values = gather_kv(v_cache, v_scale, block_table[None], context_len, query.dtype)
     q = query.transpose(0, 1)[None]
-    if n == context_len and window is None and softcap is None:   # plain causal attention skips the masked half
+    prefix = context_len - n
+    if window is None and softcap is None and (prefix == 0 or (n >= _PAD_MIN_CHUNK and 2 * prefix <= n)):
+        # Plain causal attention skips the masked half, which SDPA with a mask cannot. After a short cached prefix
+        # it is still cheaper over zero queries for the prefix positions (their rows dropped): SmolLM2's heads,
+        # bfloat16, one thread of an Intel Xeon, 868 new of 900 tokens 9.4 -> 5.4 ms, 522 of 554 3.5 -> 2.3 ms,
+        # 1000 of 1500 16.0 -> 12.2 ms; at 256 new tokens or a prefix over half the chunk it gained nothing or lost.
+        if prefix:
+            q = torch.cat([q.new_zeros(*q.shape[:2], prefix, q.shape[3]), q], dim=2)
         out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+        out = out[:, :, prefix:]
     else:
         q_pos = torch.arange(context_len - n, context_len, device=query.device)
         out = _attention(q, keys, values, q_pos, scale, window, softcap)
