@@ -25,7 +25,8 @@ from datetime import datetime
 
 import numpy as np
 
-from batchrun.job.eta_band import band, fit_error, length_spread, step_spread
+from batchrun.job.eta_band import (band, extrapolated_share, familiar_batch, fit_error, length_spread, step_spread,
+                                   widen)
 from batchrun.job.output_lengths import KEEP, OutputLengths
 from batchrun.stepmodel.costmodel import ContextPrior, LinearModel, StepShape
 from batchrun.stepmodel.recent_fit import TOLERANCE, fit_recent
@@ -192,10 +193,11 @@ class EtaEstimator:
             self.overhead = max(1.0, (self.clock() - self._run_start) / self._run_step_s)
         half = max(shape.tokens for shape in shapes) / 2
         return (model, (half if sum(shape.tokens <= half for shape in shapes) < MIN_SMALL_STEPS else 0),
-                step_spread(model, shapes, times, fit_error(self._misses) if self._misses else TOLERANCE))
+                step_spread(model, shapes, times, fit_error(self._misses) if self._misses else TOLERANCE),
+                familiar_batch(shapes))
 
-    def _simulate(self, model: LinearModel, unseen_up_to: float, steps_spread: tuple[float, float], running,
-                  waiting, queued_rows) -> Eta | None:
+    def _simulate(self, model: LinearModel, unseen_up_to: float, steps_spread: tuple[float, float], familiar: int,
+                  running, waiting, queued_rows) -> Eta | None:
         """None when more than UNSEEN_SHARE of the simulated steps are of a size the model has not seen enough of."""
         in_engine = [(r.num_prompt_tokens, len(r.output_token_ids)) for r in running]
         self.lengths.fit(in_engine)
@@ -228,6 +230,7 @@ class EtaEstimator:
         rows = [(len(r.output_token_ids), r.params.max_tokens, r.num_prompt_tokens, 1.0) for r in running + waiting]
         rows += [(0, row.params.max_tokens, len(row.token_ids), weight) for row in queued_rows[::stride]]
         rows += [(0, m, p, weight) for p, m in self._unread_keys(unread, stride)]
+        steps_spread = widen(steps_spread, extrapolated_share(trace.shapes, line.step_times, familiar))
         low, high = band(seconds, length_spread(self.lengths, in_engine, rows, self._bootstrap), steps_spread)
         return Eta(seconds, self.wall_clock() + seconds, tokens, low, high)
 

@@ -6,7 +6,9 @@
   at, the machine's swings (a shared CPU) and the fit's misses at the scale of a few seconds; at least as wide as
   the fit's error on steps it had not seen (fit_error: the held-out misses of recent fits, recent_fit).
 
-The two are taken as independent and added in quadrature, each side separately.
+The two are taken as independent and added in quadrature, each side separately. Then the share of the time left
+that the simulation spends in smaller batches than any recent step (the drain at the job's end: extrapolated_share)
+widens the step model's side by EXTRAPOLATION each way: recent steps cannot tell how well the fit prices those.
 """
 from __future__ import annotations
 
@@ -23,6 +25,10 @@ REPLICATES = 16        # bootstrap resamples of the finished rows
 Z90 = 1.2816           # the 90th percentile of a standard normal: p10-p90 is -+ Z90 sigma
 STEP_BLOCK = 20        # consecutive steps per block of the step model's error
 RECENT_STEPS = 400     # the steps the model's error is read from
+# How far a fit that priced the recent steps well priced the drain that followed (smaller batches than it had seen
+# lately): 8-15 % in bench/eta_accuracy.py, both orders and dtypes (Intel Xeon, CPU clock); the band's misses at
+# 75 % of a run were all such, while recent steps agreed with the fit.
+EXTRAPOLATION = 0.15
 
 
 def length_spread(lengths: OutputLengths, running: list[tuple[int, int]], rows: list[tuple[int, int, int, float]],
@@ -68,6 +74,24 @@ def step_spread(model: LinearModel, shapes: list[StepShape], times: list[float],
             ratios.append(sum(times[start:start + STEP_BLOCK]) / priced)
     low, high = (float(np.quantile(ratios, 0.1)), float(np.quantile(ratios, 0.9))) if len(ratios) >= 2 else (1, 1)
     return min(low, 1 - abs(miss)), max(high, 1 + abs(miss))
+
+
+def familiar_batch(shapes: list[StepShape]) -> int:
+    """The smallest batch (sequences) among the recent steps, their 5th percentile (a stray small step aside)."""
+    recent = [shape.seqs for shape in shapes[-RECENT_STEPS:]]
+    return int(np.quantile(recent, 0.05)) if recent else 0
+
+
+def extrapolated_share(shapes: list[StepShape], step_times: list[float], familiar: int) -> float:
+    """The share of the simulated time left in steps of fewer sequences than `familiar` (familiar_batch)."""
+    total = sum(step_times)
+    unfamiliar = sum(t for shape, t in zip(shapes, step_times) if shape.seqs < familiar)
+    return unfamiliar / total if total > 0 else 0.0
+
+
+def widen(steps: tuple[float, float], share: float) -> tuple[float, float]:
+    """The step model's spread widened by EXTRAPOLATION x the share of the time left it extrapolates to."""
+    return steps[0] - EXTRAPOLATION * share, steps[1] + EXTRAPOLATION * share
 
 
 def band(seconds: float, lengths: tuple[float, float], steps: tuple[float, float]) -> tuple[float, float]:
