@@ -1,6 +1,7 @@
 // Paged decode attention for the CPU: one query token per request, K/V read where they lie in the paged pool
 // (no gather copy), 16-bit rows converted and 8-bit codes dequantized in the loop with ATen's vector types
-// (cpu_vec.h), float32 accumulators. Built at first use by kernels/cpu_attention.py.
+// (cpu_vec.h), float32 accumulators; a bfloat16 cache and query on AMX tiles where the CPU has them
+// (cpu_attention_amx.h). Built at first use by kernels/cpu_attention.py.
 //
 // query [B, H, D] float32, bfloat16 or float16 (the output's dtype); k_cache/v_cache [N, block_size, Hkv, D]
 // (float32, float16, bfloat16, int8 or fp8 e4m3); k_scale/v_scale [N, block_size, Hkv] float32 for 8-bit codes
