@@ -1,7 +1,7 @@
 """Calibration: run a pilot of the job on this machine, fit t = a + b x tokens + c x sum(context) + d x prefill
 pairs + e x sequences + g x [prefill in the step] on its steps (costmodel.fit_linear, with the priors the job's ETA
 uses), then predict the whole job by simulating it with the fitted model (same scheduler, same pool
-size), plus the one-off start-up the pilot's first steps paid (not fitted)."""
+size)."""
 from __future__ import annotations
 
 import time
@@ -68,15 +68,11 @@ def run_calibration(spec: JobSpec, work: Workload, fraction: float = 0.2, llm=No
     picked = pilot_indices(len(work.items), fraction)
     pilot = [work.items[i] for i in picked]
     shapes, times, lengths, wall = run_pilot(llm, spec, pilot)
-    kept = [(s, t) for s, t in zip(shapes, times) if s.tokens]
-    warm, kept = kept[:WARMUP_STEPS], kept[WARMUP_STEPS:]
-    shapes, times = [s for s, _ in kept], [t for _, t in kept]
+    shapes, times = [s for s, t in zip(shapes, times) if s.tokens][WARMUP_STEPS:], \
+        [t for s, t in zip(shapes, times) if s.tokens][WARMUP_STEPS:]
     model = fit_linear(shapes, times, prior=ContextPrior.of_engine(llm.engine))   # the job's ETA fits the same way
     # the fit gives the shape of the step time; the pilot's total gives its level, stalls of this machine included
     model.scale = sum(times) / max(sum(model.step_time(s) for s in shapes), 1e-12)
-    # what the pilot's first steps took beyond their price (the compiled graph built at the first steps): a job's
-    # fresh engine pays it again (SmolLM2 bf16, Intel Xeon: the job's first step 4.9 s of 69 s stepping)
-    startup = max(0.0, sum(t for _, t in warm) - sum(model.step_time(s) for s, _ in warm))
     # expected output lengths: measured for pilot rows; the pilot's finish ratios, in turn, for the others
     ratios = [n / max(i.output_tokens, 1) for n, i in zip(lengths, pilot)]
     measured = dict(zip(picked, lengths))
@@ -92,7 +88,6 @@ def run_calibration(spec: JobSpec, work: Workload, fraction: float = 0.2, llm=No
                         "mean_output_over_max_tokens": round(sum(ratios) / len(ratios), 3)},
               "fit": model.to_dict(), "kv_blocks": num_blocks, "block_size": work.block_size,
               "predicted": {"requests": len(items), "steps": trace.steps, "output_tokens": full.output_tokens,
-                            "makespan_s": round(full.makespan_s + startup, 3), "startup_s": round(startup, 3),
-                            "drain_s": round(full.drain_s, 3),
+                            "makespan_s": round(full.makespan_s, 3), "drain_s": round(full.drain_s, 3),
                             "preemptions": trace.preemptions}}
     return Calibration(model, items, num_blocks, report, list(zip(shapes, times)))
