@@ -151,15 +151,11 @@ void decode_attention_amx(const at::BFloat16* q_ptr, const at::BFloat16* k_ptr, 
           }
           _tile_stored(BATCHRUN_SCORES_TILE, scores.data(), 4 * group);
           _tile_stored(BATCHRUN_SCORES2_TILE, scores.data() + kTileRows * group, 4 * group);
-          for (int64_t r = 0; r < kStep; r += 2) {   // V rows as position pairs (bf16_pair_rows' layout)
-            const at::BFloat16* v_rows = v_ptr + (r < kTileRows ? slot + r : slot2 + r - kTileRows) * token_stride + h * DIM;
-            for (int c = 0; c < kWords; ++c) {
-              const __m512i a = r < last ? _mm512_loadu_si512(v_rows + 32 * c) : _mm512_setzero_si512();
-              const __m512i n = r + 1 < last ? _mm512_loadu_si512(v_rows + token_stride + 32 * c) : _mm512_setzero_si512();
-              v_pairs[(r / 2) * kVecs + 2 * c] = _mm512_unpacklo_epi16(a, n);
-              v_pairs[(r / 2) * kVecs + 2 * c + 1] = _mm512_unpackhi_epi16(a, n);
-            }
-          }
+          // V rows as position pairs, each piece by bf16_pair_rows (rows from `last` on zero, and not read)
+          bf16_pair_rows<DIM>(v_ptr + slot * token_stride + h * DIM, token_stride,
+                              std::min<int64_t>(last, kTileRows), v_pairs);
+          bf16_pair_rows<DIM>(v_ptr + slot2 * token_stride + h * DIM, token_stride,
+                              std::max<int64_t>(last - kTileRows, 0), v_pairs + kTileRows / 2 * kVecs);
           float rescale[kTileRows];
           for (int64_t g = 0; g < group; ++g) {
             const int64_t qh = (h - h_lo) * group + g;
