@@ -84,11 +84,11 @@ def main():
             json.dump({"pilot": [[*dataclasses.astuple(s), t] for s, t in calibration.steps],
                        "full": [[*dataclasses.astuple(s), t] for s, t in zip(shapes, times)]}, f)
     measured_steps = sum(times)
+    computing = [(s, t) for s, t in zip(shapes, times) if s.tokens]
     # the job's first steps build its compiled graph (one-off, not in the prediction): the error without that
-    first = [t for s, t in zip(shapes, times) if s.tokens][:WARMUP_STEPS]
-    first_priced = sum(calibration.model.step_time(s) for s in [s for s in shapes if s.tokens][:WARMUP_STEPS])
-    steady = measured_steps - sum(first) + first_priced
-    oracle = fit_linear([s for s in shapes if s.tokens], [t for s, t in zip(shapes, times) if s.tokens])
+    first = computing[:WARMUP_STEPS]
+    steady = measured_steps - sum(t for _, t in first) + sum(calibration.model.step_time(s) for s, _ in first)
+    oracle = fit_linear([s for s, _ in computing], [t for _, t in computing])
     trace = simulate(calibration.items, calibration.num_blocks, work.block_size, work.max_num_seqs,
                      work.max_num_batched_tokens, work.prefix_caching, work.keys)
     oracle_s = timeline(trace, oracle.step_time).makespan_s
@@ -99,7 +99,7 @@ def main():
         "predicted_stepping_s": predicted, "measured_stepping_s": round(measured_steps, 3),
         "measured_job_wall_s": summary["wall_s"],
         "error_vs_stepping_pct": round((predicted / measured_steps - 1) * 100, 1),
-        "job_first_steps_s": round(sum(first), 3),
+        "job_first_steps_s": round(sum(t for _, t in first), 3),
         "error_vs_stepping_without_first_steps_pct": round((predicted / steady - 1) * 100, 1),
         "error_vs_job_wall_pct": round((predicted / summary["wall_s"] - 1) * 100, 1),
         "steps": {"predicted": report["predicted"]["steps"], "measured": len(times)},
