@@ -12,6 +12,9 @@ AttentionBackend = Literal["auto", "torch", "triton"]
 # Weight quantization of a float checkpoint at load (batchrun/quant/formats.py); a quantized checkpoint runs in
 # its own format with none or auto.
 Quantization = Literal["none", "auto", "int8", "int8-w8a16", "fp8", "int4"]
+# The Hadamard rotation of the quantized layers' inputs (batchrun/quant/rotation.py), for weights quantized at load:
+# auto = on for int8 (where it was measured to help), off for fp8 and int4 (where it hurt).
+QuantizationRotation = Literal["auto", "hadamard", "none"]
 KV_CACHE_DTYPES, ATTENTION_BACKENDS = get_args(KVCacheDtype), get_args(AttentionBackend)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -43,6 +46,7 @@ class EngineConfig:
     dtype: ComputeDtype = "auto"
     kv_cache_dtype: KVCacheDtype = "auto"   # storage dtype of the paged KV cache
     quantization: Quantization = "none"     # weights: none, int8 (W8A8), int8-w8a16, fp8, int4 (W4A16), auto
+    quantization_rotation: QuantizationRotation = "auto"   # weights quantized at load: auto, hadamard, none
     kv_cache_memory: str | int | None = None  # KV pool budget; default 2GiB on CPU, profiled on CUDA
     gpu_memory_utilization: float = 0.9
     block_size: int = 16
@@ -81,6 +85,9 @@ class EngineConfig:
         if self.quantization not in get_args(Quantization):
             raise ValueError(f"quantization: unknown value {self.quantization!r}; "
                              f"allowed: {', '.join(get_args(Quantization))}")
+        if self.quantization_rotation not in get_args(QuantizationRotation):
+            raise ValueError(f"quantization_rotation: unknown value {self.quantization_rotation!r}; "
+                             f"allowed: {', '.join(get_args(QuantizationRotation))}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend: unknown value {self.attention_backend!r}; "
                              f"allowed: {', '.join(ATTENTION_BACKENDS)}")

@@ -8,8 +8,8 @@ the KV pool) and the weights' bytes as held (packed copies, scales); then `--req
 (SmolLM2: the sample articles' first 16; the random model: random ids) decoded greedy for `--max-tokens` tokens
 (ignore_eos) after a warm-up; output tokens/s over that generate call, and per CPU second of this process (less
 sensitive to other work on a shared machine). Formats: float32 / bfloat16 (float weights in that compute dtype),
-and engine.quantization values (int8 = W8A8, int8-w8a16, fp8, int4) on bfloat16 compute; `W+kv-int8` /
-`W+kv-fp8` adds an 8-bit KV cache. The quality columns are batchrun kvcheck's against the bfloat16 run (identical
+and engine.quantization values (int8 = W8A8, int8-w8a16, fp8, int4) on bfloat16 compute; `W:none` /
+`W:hadamard` sets engine.quantization_rotation (default auto); `W+kv-int8` / `W+kv-fp8` adds an 8-bit KV cache. The quality columns are batchrun kvcheck's against the bfloat16 run (identical
 greedy outputs at full length, first difference, mean |d logprob| of the chosen tokens before it). llama-0.3b:
 hidden 1024, intermediate 4096, 16 layers, 16 heads, vocab 32000, tied embeddings, random weights saved once as
 bfloat16 safetensors. Per-op path (BATCHRUN_COMPILE=ops) unless --compile.
@@ -45,10 +45,11 @@ def child(model: str, fmt: str, requests: int, max_tokens: int) -> dict:
     torch.manual_seed(0)
     before = rss()
     weights, _, kv = fmt.partition("+kv-")
+    weights, _, rotation = weights.partition(":")
     dtype = "float32" if weights == "float32" else "bfloat16"
     quantization = "none" if weights in ("float32", "bfloat16") else weights
-    llm = LLM(model=model, dtype=dtype, quantization=quantization, kv_cache_dtype=kv or "auto",
-              kv_cache_memory="192MiB", max_num_seqs=requests, max_model_len=1024)
+    llm = LLM(model=model, dtype=dtype, quantization=quantization, quantization_rotation=rotation or "auto",
+              kv_cache_dtype=kv or "auto", kv_cache_memory="192MiB", max_num_seqs=requests, max_model_len=1024)
     load_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if llm.tokenizer is not None:   # SmolLM2: the sample articles' first 16 tokens
         import pyarrow.parquet as pq

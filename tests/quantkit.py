@@ -161,14 +161,32 @@ def write_quantized(path: Path, fmt: str, seed: int = 0, **opts):
     return reference, dequantized, input_scales
 
 
-def quantize_activations(model, kind: str, input_scales: dict | None = None):
+def quantize_activations(model, kind: str, input_scales: dict | None = None, rotated: bool = False):
     """Make a transformers model's decoder projections see their input quantized per token (or by the layer's
-    static scale) and widened again, as a W8A8 kernel does; float32 math otherwise."""
+    static scale) and widened again, as a W8A8 kernel does; float32 math otherwise. rotated: quantized as x H
+    and rotated back (H its own inverse), as a layer quantized under the Hadamard rotation sees it."""
     for name, module in model.named_modules():
         if name.startswith("model.layers.") and isinstance(module, torch.nn.Linear):
             static = (input_scales or {}).get(name)
-            module.register_forward_pre_hook(lambda mod, args, static=static: (quantized_input(args[0], kind, static),))
+            h = block_hadamard(module.in_features) if rotated else None
+            module.register_forward_pre_hook(lambda mod, args, static=static, h=h: (
+                quantized_input(args[0], kind, static) if h is None else quantized_input(args[0] @ h, kind) @ h,))
     return model
+
+
+def sylvester(n: int) -> torch.Tensor:
+    """The normalised Hadamard matrix of size n (a power of two), by Kronecker products."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.kron(torch.tensor([[1.0, 1.0], [1.0, -1.0]]), h)
+    return h / n ** 0.5
+
+
+def block_hadamard(k: int) -> torch.Tensor:
+    """The [k, k] rotation of a layer with k inputs: Hadamard blocks of the largest power of two dividing k, at
+    most 128 (the documented rule of engine.quantization_rotation)."""
+    block = min(k & -k, 128)
+    return torch.block_diag(*[sylvester(block)] * (k // block))
 
 
 def quantized_input(x: torch.Tensor, kind: str, static: torch.Tensor | None = None) -> torch.Tensor:

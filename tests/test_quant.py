@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from batchrun import LLM, SamplingParams
-from batchrun.quant import cpu_kernels, quantize
+from batchrun.quant import cpu_kernels, quantize, rotation
 from batchrun.quant.formats import scheme_for
+from batchrun.quant.linear import QuantizedLinear, make_kernel
 from batchrun.quant.weights import pack_int4, unpack_int4
 from conftest import random_prompts, reference_greedy, save_tiny_model, tiny_config
-from quantkit import quantize_activations, quantized_input, write_quantized
+from quantkit import block_hadamard, quantize_activations, quantized_input, sylvester, write_quantized
 
 PROMPTS = random_prompts([5, 19, 33], seed=2)
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -74,6 +75,70 @@ def test_cpu_kernels_equal_the_dequantized_product(name, dtype):
     torch.testing.assert_close(out.float(), reference, atol=tol * reference.abs().max().item(), rtol=0)
 
 
+def test_the_hadamard_rotation_is_block_diagonal_and_its_own_inverse():
+    assert [rotation.block_size(k) for k in (576, 1024, 1536, 96, 64)] == [64, 128, 128, 32, 64]
+    torch.testing.assert_close(rotation.hadamard(64), sylvester(64))
+    torch.testing.assert_close(rotation.hadamard(128) @ rotation.hadamard(128), torch.eye(128))
+    x = torch.randn(3, 576).to(torch.bfloat16)
+    rotated = rotation.rotate(x, rotation.hadamard(64), 64)
+    assert rotated.dtype == torch.float32
+    torch.testing.assert_close(rotated, x.float() @ torch.block_diag(*[sylvester(64)] * 9))
+    with pytest.raises(ValueError, match="not a power of two"):
+        rotation.hadamard(96)
+
+
+@pytest.mark.parametrize("quantizer", ["int8", "fp8", "int4"])
+def test_a_rotated_weight_dequantizes_to_the_weight(quantizer):
+    torch.manual_seed(0)
+    w = torch.randn(64, 256) / 16
+    make = {"int8": quantize.int8_per_channel, "fp8": quantize.fp8_per_channel,
+            "int4": lambda w, rotate_input: quantize.int4_grouped(w, rotate_input=rotate_input)}[quantizer]
+    plain, rotated = make(w, rotate_input=False), make(w, rotate_input=True)
+    assert plain.rotation is None and rotated.rotation == 128
+    # data holds W H: its dequantized product with H is the weight
+    h = block_hadamard(256)
+    torch.testing.assert_close(rotated.dequantize(), make(w @ h, rotate_input=False).dequantize() @ h)
+    err = (rotated.dequantize() - w).norm() / w.norm()
+    assert err < {"int8": 0.01, "fp8": 0.05, "int4": 0.12}[quantizer]
+
+
+def test_the_rotation_spreads_an_outlier_channel_for_w8a8():
+    """Activations with an outlier channel (as SmolLM2's have): per-token int8 keeps a few levels for the other
+    channels, unless the input is rotated first."""
+    torch.manual_seed(0)
+    x, w = torch.randn(32, 256), torch.randn(128, 256) / 16
+    x[:, 7] *= 80
+    exact = x @ w.t()
+
+    def error(rotate_input: bool) -> float:
+        q = quantize.int8_per_channel(w, "int8", rotate_input)
+        layer = QuantizedLinear(torch.nn.Linear(1, 1), make_kernel([q]), 128, "int8", q.nbytes, q.rotation)
+        return float((layer(x, None) - exact).norm() / exact.norm())
+    plain, rotated = error(False), error(True)
+    assert rotated < plain / 3, (plain, rotated)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_rotation_kernel_quantizes_as_the_dense_rotation(dtype):
+    """rotate_quant.cpp (a fast Walsh-Hadamard transform and the per-row int8 in one pass) against the dense
+    rotation and fake_quantize_rows: the same scales, codes within one step (float sums in another order)."""
+    from batchrun.kernels import rotate_quant
+    if rotate_quant.load() is None:
+        pytest.skip("the C++ kernels do not build here")
+    torch.manual_seed(0)
+    for k, block in ((1024, 128), (576, 64), (96, 32), (24, 8)):
+        x = torch.randn(5, k)
+        x[:, 3] *= 50
+        x = x.to(dtype)
+        q, scale = torch.ops.batchrun.rotate_quantize(x, block)
+        ref_q, ref_scale = quantize.fake_quantize_rows(x.float() @ block_hadamard(k), "int8")
+        assert q.dtype == torch.int8 and scale.shape == (5, 1)
+        torch.testing.assert_close(scale, ref_scale, rtol=1e-5, atol=0)
+        assert (q.int() - ref_q.int()).abs().max() <= 1 and (q != ref_q).float().mean() < 0.01
+    with pytest.raises(RuntimeError, match="power of two dividing K"):
+        torch.ops.batchrun.rotate_quantize(torch.randn(2, 96), 64)
+
+
 def test_cuda_dispatch_passes_the_canonical_weights_to_quant_gemm(monkeypatch):
     """The CUDA path's calls, run on CPU tensors against a stand-in for batchrun/kernels/quant_gemm.py that
     implements its documented interface (dequant = w * scale; int4: low nibble = even k, (q - zero) * scale)."""
@@ -102,27 +167,34 @@ def test_cuda_dispatch_passes_the_canonical_weights_to_quant_gemm(monkeypatch):
 
 # --- load-time quantization ---
 
-@pytest.mark.parametrize("quantization,activations", [("int8", "int8"), ("int8-w8a16", None), ("fp8", "fp8"),
-                                                      ("int4", None)])
-def test_load_time_quantized_greedy_equals_transformers_on_dequantized_weights(tiny_model, quantization,
-                                                                               activations):
+@pytest.mark.parametrize("quantization,rotation,activations,rotated", [
+    ("int8", "auto", "int8", True), ("int8", "none", "int8", False), ("int8-w8a16", "auto", None, True),
+    ("fp8", "auto", "fp8", False), ("int4", "auto", None, False), ("int4", "hadamard", None, True)])
+def test_load_time_quantized_greedy_equals_transformers_on_dequantized_weights(tiny_model, quantization, rotation,
+                                                                               activations, rotated):
+    """rotated: the reference quantizes W H and runs on its dequantized product with H (= W, quantized in the
+    rotated basis), its W8A8 activations quantized as x H (quantkit)."""
     path, model = tiny_model
-    llm, tokens = run(path, quantization=quantization)
+    llm, tokens = run(path, quantization=quantization, quantization_rotation=rotation)
+    quantizer = {"int8": quantize.int8_per_channel, "int8-w8a16": quantize.int8_per_channel,
+                 "fp8": quantize.fp8_per_channel, "int4": quantize.int4_grouped}[quantization]
     dequantized = {}
     for name, module in model.named_modules():
         if name.startswith("model.layers.") and isinstance(module, torch.nn.Linear):
-            dequantized[name] = {"int8": quantize.int8_per_channel, "int8-w8a16": quantize.int8_per_channel,
-                                 "fp8": quantize.fp8_per_channel, "int4": quantize.int4_grouped
-                                 }[quantization](module.weight.detach()).dequantize()
+            w = module.weight.detach()
+            h = block_hadamard(w.shape[1]) if rotated else torch.eye(w.shape[1])
+            dequantized[name] = quantizer(w @ h).dequantize() @ h
     reference = copy.deepcopy(model)
     with torch.no_grad():
         for name, w in dequantized.items():
             reference.get_submodule(name).weight.copy_(w)
     if activations:
-        quantize_activations(reference, activations)
+        quantize_activations(reference, activations, rotated=rotated)
     assert_greedy_matches(tokens, reference)
     layer = llm.engine.model.model.layers[0].mlp.gate_up_proj
     assert layer.quantized is not None and layer.weight.numel() == 0   # no float copy kept
+    assert (layer.quantized.rotation is not None) == rotated
+    assert ("Hadamard-rotated" in layer.quantized.description) == rotated
 
 
 def test_whole_graph_runs_quantized_layers_through_the_opaque_op(tiny_model, monkeypatch):
@@ -236,6 +308,10 @@ def test_validate_names_the_refused_format_and_the_field(tmp_path):
     save_tiny_model(plain)
     ok = Job.from_yaml(write_job(tmp_path, str(plain), name="ok", engine={"quantization": "int4"})).validate()
     assert ok is not None
+    awq = write_config(tmp_path / "awq", {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm"})
+    with pytest.raises(JobError, match=r"engine.quantization_rotation \(line \d+\): the checkpoint is already"):
+        Job.from_yaml(write_job(tmp_path, str(awq), name="rot", engine={"quantization_rotation": "hadamard"})
+                      ).validate()
 
 
 def test_quantizing_a_quantized_checkpoint_and_unknown_values_are_refused(tmp_path):
@@ -244,6 +320,10 @@ def test_quantizing_a_quantized_checkpoint_and_unknown_values_are_refused(tmp_pa
         LLM(model=str(path), kv_cache_memory="4MiB", quantization="int8")
     with pytest.raises(ValueError, match="quantization: unknown value 'int3'"):
         LLM(model=str(path), quantization="int3")
+    with pytest.raises(ValueError, match="quantization_rotation: the checkpoint is already quantized .'awq'.*or none"):
+        LLM(model=str(path), kv_cache_memory="4MiB", quantization_rotation="hadamard")
+    with pytest.raises(ValueError, match="quantization_rotation: unknown value 'random'"):
+        LLM(model=str(path), quantization_rotation="random")
     moe = tiny_config("mixtral", num_local_experts=4)
     moe.quantization_config = {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm"}
     with pytest.raises(ValueError, match="quantized mixture-of-experts weights .mixtral."):

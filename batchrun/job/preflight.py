@@ -48,10 +48,12 @@ def check_model(spec: JobSpec) -> ModelFacts:
         raise spec.fail(("engine", "max_model_len"), str(exc).removeprefix("max_model_len: ")) from exc
     on_cpu = config.device == "cpu" or not torch.cuda.is_available()
     try:   # a quantization the engine would refuse, from config.json alone
-        scheme_for(hf_config, config.quantization, "cpu" if on_cpu else "cuda")
+        scheme_for(hf_config, config.quantization, "cpu" if on_cpu else "cuda", config.quantization_rotation)
     except ValueError as exc:
-        field = ("engine", "quantization") if str(exc).startswith("quantization:") else ("model",)
-        raise spec.fail(field, str(exc).removeprefix("quantization: ").removeprefix("model: ")) from exc
+        key, message = next(((("engine", name), str(exc).removeprefix(f"{name}: "))
+                             for name in ("quantization_rotation", "quantization") if str(exc).startswith(f"{name}:")),
+                            (("model",), str(exc).removeprefix("model: ")))
+        raise spec.fail(key, message) from exc
     try:
         shape = ModelSpec.from_config(hf_config, path)   # the planner's reading of layers, KV heads, head size
     except ValueError as exc:

@@ -55,11 +55,12 @@ def _load_time(scheme: Scheme, read: Read, has, prefix: str) -> QuantizedWeight:
     if not weight.is_floating_point() or weight.element_size() == 1:
         raise ValueError(f"model: tensor {prefix}.weight has dtype {weight.dtype}; quantizing at load needs "
                          f"float weights")
+    rotate_input = scheme.options.get("rotate", False)
     if scheme.weights == "int8":
-        return quantize.int8_per_channel(weight, scheme.activations)
+        return quantize.int8_per_channel(weight, scheme.activations, rotate_input)
     if scheme.weights == "fp8":
-        return quantize.fp8_per_channel(weight, scheme.activations)
-    return quantize.int4_grouped(weight)
+        return quantize.fp8_per_channel(weight, scheme.activations, rotate_input)
+    return quantize.int4_grouped(weight, rotate_input=rotate_input)
 
 
 def _compressed_tensors(scheme: Scheme, read: Read, has, prefix: str) -> QuantizedWeight:

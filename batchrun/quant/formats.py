@@ -22,6 +22,9 @@ LOAD_TIME = {   # engine.quantization -> (kind, activations, what it is)
     "int4": ("int4", "none", "int4 W4A16: asymmetric, groups of 128 input channels (64 or 32 where 128 does "
                              "not divide the layer)"),
 }
+# quantization_rotation auto: int8 rotated (SmolLM2's articles: W8A8 log-likelihood drop 0.023 -> 0.000 nats a
+# token, W8A16 0.005 -> 0.000); fp8 (0.038 -> 0.043) and int4 (0.10 -> 0.23) lost by it (bench/quant_quality.py)
+ROTATED_BY_DEFAULT = ("int8",)
 MOE_TYPES = ("mixtral", "qwen3_moe")
 REFUSED_METHODS = {"bitsandbytes": "bitsandbytes (nf4 / int8)", "hqq": "HQQ", "gguf": "GGUF", "exl2": "EXL2",
                    "quanto": "Quanto", "torchao": "torchao", "mxfp4": "MXFP4", "modelopt": "ModelOpt",
@@ -50,8 +53,10 @@ def _fail(fmt: str, part: str, supported: str) -> ValueError:
     return ValueError(f"model: quantization format {fmt}: {part} is not supported (supported: {supported})")
 
 
-def scheme_for(hf_config, quantization: str = "none", device_type: str = "cpu") -> Scheme | None:
-    """The run's scheme (None: float weights), or a ValueError naming what is not supported."""
+def scheme_for(hf_config, quantization: str = "none", device_type: str = "cpu", rotation: str = "auto"
+               ) -> Scheme | None:
+    """The run's scheme (None: float weights), or a ValueError naming what is not supported. `rotation`
+    (engine.quantization_rotation): whether weights quantized at load get the Hadamard rotation (rotation.py)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization: unknown value {quantization!r}; allowed: {', '.join(QUANTIZATIONS)}")
     qc = getattr(hf_config, "quantization_config", None)
@@ -62,6 +67,10 @@ def scheme_for(hf_config, quantization: str = "none", device_type: str = "cpu") 
             raise ValueError(f"quantization: the checkpoint is already quantized ({qc.get('quant_method')!r} "
                              f"in config.json); engine.quantization {quantization!r} applies to float checkpoints "
                              f"only (use none or auto)")
+        if rotation == "hadamard":
+            raise ValueError(f"quantization_rotation: the checkpoint is already quantized "
+                             f"({qc.get('quant_method')!r} in config.json); 'hadamard' applies to weights "
+                             f"quantized at load (use auto or none)")
         scheme = checkpoint_scheme(qc)
         if hf_config.model_type in MOE_TYPES:
             raise _fail(scheme.label, f"quantized mixture-of-experts weights ({hf_config.model_type})",
@@ -72,7 +81,10 @@ def scheme_for(hf_config, quantization: str = "none", device_type: str = "cpu") 
     if quantization == "none":
         return None
     kind, activations, description = LOAD_TIME[quantization]
-    return Scheme("load", kind, activations, f"{description} (quantized at load)")
+    rotate = rotation == "hadamard" or (rotation == "auto" and kind in ROTATED_BY_DEFAULT)
+    return Scheme("load", kind, activations,
+                  f"{description} (quantized at load{', inputs Hadamard-rotated' if rotate else ''})",
+                  {"rotate": rotate})
 
 
 def auto_choice(device_type: str) -> str:

@@ -11,9 +11,11 @@ from typing import Callable
 
 import torch
 
+from batchrun.kernels import rotate_quant
 from batchrun.models import graph
 from batchrun.quant import cpu_kernels
 from batchrun.quant.quantize import fake_quantize_rows
+from batchrun.quant.rotation import hadamard, rotate
 from batchrun.quant.weights import QuantizedWeight
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]
@@ -50,29 +52,48 @@ def make_kernel(parts: list[QuantizedWeight]) -> Kernel:
 
 
 class QuantizedLinear:
-    """Set on a Linear (its `quantized`) by the loader; called with the layer's input and bias."""
+    """Set on a Linear (its `quantized`) by the loader; called with the layer's input and bias. `rotation`: the
+    Hadamard block size the weight was quantized under (rotation.py): the input is rotated first."""
 
-    def __init__(self, owner, kernel: Kernel, out_features: int, description: str, nbytes: int):
+    def __init__(self, owner, kernel: Kernel, out_features: int, description: str, nbytes: int,
+                 rotation: int | None = None):
         self.kernel, self.out_features, self.description = kernel, out_features, description
         self.nbytes = nbytes   # the canonical weight's (codes, scales, zero points): what the layer holds
         self.handle = graph.register(owner, kernel)
+        self.rotation, self.rotation_matrix = rotation, None if rotation is None else hadamard(rotation)
+        self.w8a8 = hasattr(kernel, "product")   # the CPU's W8A8 kernels: the activations' quantization is ours
+        # rotated W8A8 on the CPU: rotation and quantization in one pass (rotate_quant.cpp) where it builds
+        self.fused_rotation = self.w8a8 and rotation is not None and rotate_quant.load() is not None
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        if not torch.compiler.is_compiling():
-            out = self.kernel(rows)
-        elif hasattr(self.kernel, "product"):
-            # W8A8: the activations' quantization and the row scale are traced, so inductor fuses them with the
-            # elementwise work around the layer; only the int8 product is opaque. Run eagerly around the op they
-            # took 1.4 s beside the products' 2.4 s (0.3B Llama shape, 32 rows, 64 steps, one thread).
-            qx, row_scale = fake_quantize_rows(rows, "int8", self.kernel.input_scale)
-            out = (torch.ops.batchrun.quant_product(qx, self.handle, self.out_features, rows.dtype) * row_scale
-                   ).to(rows.dtype)
+        rows, dtype = x.reshape(-1, x.shape[-1]), x.dtype
+        if self.w8a8:
+            # The activations' quantization and the row scale are traced in the whole-model graph, so inductor
+            # fuses them with the elementwise work around the layer; only the int8 product is opaque. Run eagerly
+            # around the op they took 1.4 s beside the products' 2.4 s (0.3B Llama shape, 32 rows, 64 steps).
+            qx, row_scale = self._quantized_rows(rows)
+            if torch.compiler.is_compiling():
+                out = (torch.ops.batchrun.quant_product(qx, self.handle, self.out_features, dtype) * row_scale
+                       ).to(dtype)
+            else:   # in place: a float32 result scaled out of place cost 4x the product at 1,024 rows
+                out = self.kernel.product(qx, dtype).mul_(row_scale).to(dtype)
         else:
-            out = torch.ops.batchrun.quant_linear(rows, self.handle, self.out_features)
+            if self.rotation is not None:
+                rows = rotate(rows, self.rotation_matrix.to(rows.device), self.rotation).to(dtype)
+            out = (torch.ops.batchrun.quant_linear(rows, self.handle, self.out_features)
+                   if torch.compiler.is_compiling() else self.kernel(rows))
         if bias is not None:
             out = out + bias
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
+
+    def _quantized_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """W8A8's int8 activations and their float32 row scale [M, 1]: per token (or by the checkpoint's static
+        scale), of the rotated rows where the weight was quantized under the rotation."""
+        if self.fused_rotation:
+            return torch.ops.batchrun.rotate_quantize(rows, self.rotation)
+        if self.rotation is not None:
+            rows = rotate(rows, self.rotation_matrix, self.rotation)
+        return fake_quantize_rows(rows, "int8", self.kernel.input_scale)
 
 
 @torch.library.custom_op("batchrun::quant_linear", mutates_args=())

@@ -10,12 +10,16 @@ read it.
 `activations` says what the input goes through first: "none" (weight-only, W8A16 / W4A16), "int8" or "fp8"
 (W8A8: quantized per token, dynamically, or with the checkpoint's static per-tensor `input_scale`).
 `input_perm` (GPTQ act-order): the input's columns are gathered by it first, so the groups are contiguous.
+`rotation` (load-time quantization): the block size of the Hadamard rotation the weight was quantized under
+(rotation.py): data holds W H, and the input is rotated the same way before the product.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
 import torch
+
+from batchrun.quant.rotation import hadamard, rotate
 
 KINDS = ("int8", "fp8", "int4")
 FP8_MAX = 448.0   # largest finite float8_e4m3fn
@@ -32,6 +36,7 @@ class QuantizedWeight:
     activations: str = "none"
     input_scale: torch.Tensor | None = None   # static per-tensor activation scale (W8A8 checkpoints), else dynamic
     input_perm: torch.Tensor | None = None
+    rotation: int | None = None
 
     @property
     def out_features(self) -> int:
@@ -56,6 +61,8 @@ class QuantizedWeight:
                 w = torch.empty_like(w).index_copy_(1, self.input_perm, w)
         else:
             w = self.data.float() * self.scale.float()[:, None]
+        if self.rotation:   # data holds W H; H is its own inverse
+            w = rotate(w, hadamard(self.rotation), self.rotation)
         return w.to(dtype)
 
     def to(self, device) -> "QuantizedWeight":
@@ -79,7 +86,8 @@ def concat(parts: list[QuantizedWeight], name: str) -> QuantizedWeight:
     """Fused projections (q/k/v, gate/up) stacked along the output dimension; they must share a scheme."""
     first = parts[0]
     for part in parts[1:]:
-        if (part.kind, part.group_size, part.activations) != (first.kind, first.group_size, first.activations):
+        if ((part.kind, part.group_size, part.activations, part.rotation)
+                != (first.kind, first.group_size, first.activations, first.rotation)):
             raise ValueError(f"model: the projections fused into {name} are quantized differently "
                              f"({first.kind}/{first.activations} vs {part.kind}/{part.activations})")
     if len(parts) == 1:
