@@ -163,6 +163,11 @@ def test_cuda_dispatch_passes_the_canonical_weights_to_quant_gemm(monkeypatch):
         ref_x = x if act == "none" else quantized_input(x, act)
         tol = 1e-2 if q.kind == "fp8" else 2e-3   # _scaled_mm's row-wise scaling returns bfloat16
         torch.testing.assert_close(cuda_kernels.make(q)(x), ref_x @ q.dequantize().t(), atol=tol, rtol=tol)
+    # a rotated W8A8 layer: the input rotated (the dense product, on the weight's device) before the kernel
+    q, h = quantize.int8_per_channel(w, "int8", rotate_input=True), block_hadamard(256)
+    layer = QuantizedLinear(torch.nn.Linear(1, 1), cuda_kernels.make(q), 64, "int8", q.nbytes, q.rotation)
+    reference = quantized_input(x @ h, "int8") @ (q.dequantize() @ h).t()
+    torch.testing.assert_close(layer(x, None), reference, atol=2e-3, rtol=2e-3)
 
 
 # --- load-time quantization ---

@@ -56,11 +56,11 @@ class QuantizedLinear:
     Hadamard block size the weight was quantized under (rotation.py): the input is rotated first."""
 
     def __init__(self, owner, kernel: Kernel, out_features: int, description: str, nbytes: int,
-                 rotation: int | None = None):
+                 rotation: int | None = None, device: torch.device | str = "cpu"):
         self.kernel, self.out_features, self.description = kernel, out_features, description
         self.nbytes = nbytes   # the canonical weight's (codes, scales, zero points): what the layer holds
         self.handle = graph.register(owner, kernel)
-        self.rotation, self.rotation_matrix = rotation, None if rotation is None else hadamard(rotation)
+        self.rotation, self.rotation_matrix = rotation, None if rotation is None else hadamard(rotation).to(device)
         self.w8a8 = hasattr(kernel, "product")   # the CPU's W8A8 kernels: the activations' quantization is ours
         # rotated W8A8 on the CPU: rotation and quantization in one pass (rotate_quant.cpp) where it builds
         self.fused_rotation = self.w8a8 and rotation is not None and rotate_quant.load() is not None
@@ -79,7 +79,7 @@ class QuantizedLinear:
                 out = self.kernel.product(qx, dtype).mul_(row_scale).to(dtype)
         else:
             if self.rotation is not None:
-                rows = rotate(rows, self.rotation_matrix.to(rows.device), self.rotation).to(dtype)
+                rows = rotate(rows, self.rotation_matrix, self.rotation).to(dtype)
             out = (torch.ops.batchrun.quant_linear(rows, self.handle, self.out_features)
                    if torch.compiler.is_compiling() else self.kernel(rows))
         if bias is not None:

@@ -66,7 +66,7 @@ def plan_and_build(model: nn.Module, scheme: Scheme | None, device: torch.device
         layer.weight = nn.Parameter(torch.empty(0, dtype=dtype, device=device), requires_grad=False)
         layer.quantized = QuantizedLinear(layer, make_kernel(_group_by_input_order(parts, prefix)),
                                           layer.out_features, scheme.description, sum(p.nbytes for p in parts),
-                                          parts[0].rotation)
+                                          parts[0].rotation, device)
         del parts
         if device.type == "cpu":   # the float read buffers just freed stay resident in glibc's heap otherwise
             cpu_gemm.return_freed_memory(now=True)
