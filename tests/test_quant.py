@@ -118,7 +118,7 @@ def test_the_rotation_spreads_an_outlier_channel_for_w8a8():
     assert rotated < plain / 3, (plain, rotated)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_fused_rotation_kernel_quantizes_as_the_dense_rotation(dtype):
     """rotate_quant.cpp (a fast Walsh-Hadamard transform and the per-row int8 in one pass) against the dense
     rotation and fake_quantize_rows: the same scales, codes within one step (float sums in another order)."""

@@ -118,9 +118,11 @@ std::tuple<at::Tensor, at::Tensor> rotate_quantize(const at::Tensor& x, int64_t 
   auto scale = at::empty({rows, 1}, x.options().dtype(at::kFloat));
   if (x.scalar_type() == at::kFloat) {
     rotate_rows(x.data_ptr<float>(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), rows, k, block);
-  } else {
-    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "rotate_quantize: x must be float32 or bfloat16");
+  } else if (x.scalar_type() == at::kBFloat16) {
     rotate_rows(x.data_ptr<at::BFloat16>(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), rows, k, block);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kHalf, "rotate_quantize: x must be float32, bfloat16 or float16");
+    rotate_rows(x.data_ptr<at::Half>(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), rows, k, block);
   }
   return {q, scale};
 }

@@ -18,7 +18,7 @@ load = _kernel.load   # the compiled module, or None (see cpp_build.load)
 
 @torch.library.custom_op("batchrun::rotate_quantize", mutates_args=())
 def rotate_quantize(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (float32 or bfloat16) -> (int8 [M, K], float32 scale [M, 1]) of x H; call only when load()
+    """x [M, K] (float32, bfloat16 or float16) -> (int8 [M, K], float32 scale [M, 1]) of x H; call only when load()
     returned a module."""
     q, scale = _kernel.module.rotate_quantize(x.contiguous(), block)
     return q, scale
