@@ -110,12 +110,14 @@ def test_the_rotation_spreads_an_outlier_channel_for_w8a8():
     x[:, 7] *= 80
     exact = x @ w.t()
 
-    def error(rotate_input: bool) -> float:
+    def error(rotate_input: bool, fused: bool = True) -> float:
         q = quantize.int8_per_channel(w, "int8", rotate_input)
         layer = QuantizedLinear(torch.nn.Linear(1, 1), make_kernel([q]), 128, "int8", q.nbytes, q.rotation)
+        layer.fused_rotation &= fused   # False: the dense rotation and fake_quantize_rows (no C++ kernel)
         return float((layer(x, None) - exact).norm() / exact.norm())
-    plain, rotated = error(False), error(True)
+    plain, rotated, dense = error(False), error(True), error(True, fused=False)
     assert rotated < plain / 3, (plain, rotated)
+    assert dense == pytest.approx(rotated, rel=0.05)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
