@@ -50,10 +50,11 @@ def check_model(spec: JobSpec) -> ModelFacts:
     try:   # a quantization the engine would refuse, from config.json alone
         scheme_for(hf_config, config.quantization, "cpu" if on_cpu else "cuda", config.quantization_rotation)
     except ValueError as exc:
-        key, message = next(((("engine", name), str(exc).removeprefix(f"{name}: "))
-                             for name in ("quantization_rotation", "quantization") if str(exc).startswith(f"{name}:")),
-                            (("model",), str(exc).removeprefix("model: ")))
-        raise spec.fail(key, message) from exc
+        text = str(exc)
+        name = next((n for n in ("quantization_rotation", "quantization") if text.startswith(f"{n}: ")), None)
+        if name is None:
+            raise spec.fail(("model",), text.removeprefix("model: ")) from exc
+        raise spec.fail(("engine", name), text.removeprefix(f"{name}: ")) from exc
     try:
         shape = ModelSpec.from_config(hf_config, path)   # the planner's reading of layers, KV heads, head size
     except ValueError as exc:

@@ -51,10 +51,24 @@ class Int8WeightOnly:
         return torch.ops.aten._weight_int8pack_mm(x, self.data, self.scales[x.dtype])
 
 
-class Int8OneDNN:
-    """W8A8: the activations quantized per token (or by the static scale), int8 x int8 through oneDNN's
-    qlinear on a pre-packed weight, the weight scale applied inside, the row scale after. `product` is the part
-    without the activations' quantization and row scale, which the whole-model graph runs itself (linear.py)."""
+class W8A8:
+    """A W8A8 kernel: the activations quantized per token (or by the static scale), then the subclass's int8
+    `product` (without the row scale), then the row scale. linear.py quantizes the activations itself (traced, or
+    rotated) and calls `product` or `scaled_product`."""
+    input_scale: torch.Tensor | None
+
+    def scaled_product(self, qx: torch.Tensor, row_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # In place in the activations' dtype: a float32 result scaled out of place cost 4x the product itself at
+        # 1,024 rows (a fresh 32 MiB result and a broadcast over two copies).
+        return self.product(qx, dtype).mul_(row_scale).to(dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        qx, row_scale = fake_quantize_rows(x, "int8", self.input_scale)
+        return self.scaled_product(qx, row_scale, x.dtype)
+
+
+class Int8OneDNN(W8A8):
+    """W8A8 through oneDNN's qlinear on a pre-packed weight, the weight scale applied inside."""
 
     def __init__(self, w: QuantizedWeight):
         self.packed = torch.ops.onednn.qlinear_prepack(w.data.contiguous(), [BATCH_HINT, w.in_features])
@@ -65,14 +79,8 @@ class Int8OneDNN:
         return torch.ops.onednn.qlinear_pointwise(qx, 1.0, 0, self.packed, self.scale, self.zero_points, None, 1.0,
                                                   0, product_dtype(dtype), "none", [], "")
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        qx, row_scale = fake_quantize_rows(x, "int8", self.input_scale)
-        # In place in the activations' dtype: a float32 result scaled out of place cost 4x the product itself at
-        # 1,024 rows (a fresh 32 MiB result and a broadcast over two copies).
-        return self.product(qx, x.dtype).mul_(row_scale).to(x.dtype)
 
-
-class Int8IntMM:
+class Int8IntMM(W8A8):
     """W8A8 through aten._int_mm (int8 x int8 -> int32), both scales applied after."""
 
     def __init__(self, w: QuantizedWeight):
@@ -81,10 +89,6 @@ class Int8IntMM:
 
     def product(self, qx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return (torch._int_mm(qx, self.weight_t) * self.scale).to(product_dtype(dtype))
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        qx, row_scale = fake_quantize_rows(x, "int8", self.input_scale)
-        return self.product(qx, x.dtype).mul_(row_scale).to(x.dtype)
 
 
 def product_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -61,7 +61,7 @@ class QuantizedLinear:
         self.nbytes = nbytes   # the canonical weight's (codes, scales, zero points): what the layer holds
         self.handle = graph.register(owner, kernel)
         self.rotation, self.rotation_matrix = rotation, None if rotation is None else hadamard(rotation).to(device)
-        self.w8a8 = hasattr(kernel, "product")   # the CPU's W8A8 kernels: the activations' quantization is ours
+        self.w8a8 = isinstance(kernel, cpu_kernels.W8A8)   # the CPU's: the activations' quantization is ours
         # rotated W8A8 on the CPU: rotation and quantization in one pass (rotate_quant.cpp) where it builds
         self.fused_rotation = self.w8a8 and rotation is not None and rotate_quant.load() is not None
 
@@ -75,8 +75,8 @@ class QuantizedLinear:
             if torch.compiler.is_compiling():
                 out = (torch.ops.batchrun.quant_product(qx, self.handle, self.out_features, dtype) * row_scale
                        ).to(dtype)
-            else:   # in place: a float32 result scaled out of place cost 4x the product at 1,024 rows
-                out = self.kernel.product(qx, dtype).mul_(row_scale).to(dtype)
+            else:
+                out = self.kernel.scaled_product(qx, row_scale, dtype)
         else:
             if self.rotation is not None:
                 rows = rotate(rows, self.rotation_matrix, self.rotation).to(dtype)
