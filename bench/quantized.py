@@ -9,7 +9,8 @@ the KV pool) and the weights' bytes as held (packed copies, scales); then `--req
 (ignore_eos) after a warm-up; output tokens/s over that generate call, and per CPU second of this process (less
 sensitive to other work on a shared machine). Formats: float32 / bfloat16 (float weights in that compute dtype),
 and engine.quantization values (int8 = W8A8, int8-w8a16, fp8, int4) on bfloat16 compute; `W:none` /
-`W:hadamard` sets engine.quantization_rotation (default auto); `W+kv-int8` / `W+kv-fp8` adds an 8-bit KV cache. The quality columns are batchrun kvcheck's against the bfloat16 run (identical
+`W:hadamard` sets engine.quantization_rotation (default auto); `W+kv-int8` / `W+kv-fp8` adds an 8-bit KV
+cache. The quality columns are batchrun kvcheck's against the bfloat16 run (identical
 greedy outputs at full length, first difference, mean |d logprob| of the chosen tokens before it). llama-0.3b:
 hidden 1024, intermediate 4096, 16 layers, 16 heads, vocab 32000, tied embeddings, random weights saved once as
 bfloat16 safetensors. Per-op path (BATCHRUN_COMPILE=ops) unless --compile.
