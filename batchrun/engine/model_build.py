@@ -11,6 +11,7 @@ from batchrun.config import EngineConfig
 from batchrun.engine import deterministic, loader
 from batchrun.engine.backends import get_backend
 from batchrun.engine.lora import AdapterSet
+from batchrun.kernels import amx_linear
 from batchrun.models import cpu_gemm, graph, row_tiles
 from batchrun.models.registry import model_class
 from batchrun.quant import load as quant_load
@@ -40,7 +41,8 @@ def build_model(config: EngineConfig, model_path: str, hf_config, device: torch.
     adapters = AdapterSet(config.adapters, model, dtype, device, config.max_adapters) if config.adapters else None
     packed = device.type == "cpu" and model.pack_for_cpu()
     if packed:
-        log.info("linear layers: oneDNN with pre-packed weights (%s)", str(dtype).removeprefix("torch."))
+        products = "AMX tiles (batchrun's kernel)" if dtype == torch.bfloat16 and amx_linear.available() else "oneDNN"
+        log.info("linear layers: %s with pre-packed weights (%s)", products, str(dtype).removeprefix("torch."))
     if config.deterministic:
         deterministic.tile_products(model, row_tiles.DEFAULT_TILE)
         log.info("deterministic mode: products on tiles of %d rows, every attention row a decode of its own",

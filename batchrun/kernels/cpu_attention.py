@@ -23,7 +23,7 @@ from batchrun.kernels import cpp_build
 
 _QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _kernel = cpp_build.Kernel("batchrun_cpu_attention",
-                           [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_attention_amx.h", "cpu_vec.h")],
+                           [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_attention_amx.h", "amx.h", "cpu_vec.h")],
                            "CPU attention kernel", "the slower torch path")
 load = _kernel.load   # the compiled module, or None (no compiler, failed build, or turned off)
 

@@ -12,36 +12,17 @@
 //   read back, since reading a tile waits for its product.
 #pragma once
 
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 #include <limits>
 #include <vector>
 
+#include "amx.h"
 #include "cpu_vec.h"
 
 namespace batchrun {
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
-constexpr bool kAmx = true;
-
-// Linux hands out the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA), once per
-// process. BATCHRUN_CPU_AMX=0 keeps the vector path (for A/B measurement).
-inline bool amx_ready() {
-  static const bool ready = [] {
-    const char* env = std::getenv("BATCHRUN_CPU_AMX");
-    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
-    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
-  }();
-  return ready;
-}
-
+#if BATCHRUN_AMX_BUILD
 // Tile registers by role: macros, since GCC's tile intrinsics paste their operand into the instruction's text.
 // The K and V operands share one shape (16 rows of 64 bytes), so the second piece's K and the second V share a
 // register.
@@ -54,13 +35,6 @@ inline bool amx_ready() {
 #define BATCHRUN_SCORES2_TILE 6
 #define BATCHRUN_OUT2_TILE 7
 constexpr int64_t kTileRows = 16, kStep = 2 * kTileRows;
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-  void set(int tile, int rows_, int bytes) { rows[tile] = rows_, colsb[tile] = bytes; }
-};
 
 // Shapes of every role for a query group of `group` heads (<= 16).
 inline void configure_tiles(int group) {
@@ -212,8 +186,6 @@ void decode_attention_amx(const at::BFloat16* q_ptr, const at::BFloat16* k_ptr, 
 #undef BATCHRUN_SCORES2_TILE
 #undef BATCHRUN_OUT2_TILE
 #else
-constexpr bool kAmx = false;
-inline bool amx_ready() { return false; }
 template <int DIM>
 void decode_attention_amx(const at::BFloat16*, const at::BFloat16*, const at::BFloat16*, const int64_t*,
                           const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t, float,

@@ -82,7 +82,7 @@ def build_stacks(resident: dict[str, dict[str, Weights]], shapes: dict[str, tupl
             stack.bt, stack.pieces, stack.first = _kernel_tables(pairs, columns, order, device)
         else:
             stack.b = torch.cat([w.b for _, w in pairs], dim=1)
-            stack.b_packed = cpu_gemm.pack(stack.b) if pack else None
+            stack.b_packed = cpu_gemm.pack_onednn(stack.b) if pack else None
     return stacks
 
 
