@@ -66,3 +66,24 @@ def test_without_amx_cpu_gemm_packs_for_onednn(monkeypatch):
         x = torch.randn(4, 96).bfloat16()
         torch.testing.assert_close(cpu_gemm.linear(x, packed, None).float(), F.linear(x.float(), w.float()),
                                    rtol=8e-3, atol=5e-3)
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 16, 33, 70])
+@pytest.mark.parametrize("n,k", [(32, 64), (40, 128), (960, 576), (7, 1536)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_product_is_exact(rows, n, k, dtype):
+    """int32 sums (exact), then one float32 multiply by the column scale and one rounding to the output dtype."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    qx = torch.randint(-127, 128, (rows, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, generator=g) * 0.01
+    got = amx_linear.int8_product(qx, amx_linear.PackedWeight(w), scale, dtype)
+    sums = (qx.long() @ w.long().T).to(torch.int32)
+    assert got.dtype == dtype and torch.equal(got, (sums.float() * scale).to(dtype))
+
+
+@needs_amx
+def test_int8_unpacks_to_the_weight():
+    w = torch.randint(-127, 128, (40, 128), dtype=torch.int8)
+    assert torch.equal(amx_linear.PackedWeight(w).to_dense(), w)

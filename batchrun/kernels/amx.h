@@ -1,4 +1,4 @@
-// What every AMX kernel needs: whether this build has AMX-BF16 (kAmx, and BATCHRUN_AMX_BUILD for #if), the
+// What every AMX kernel needs: whether this build has AMX-BF16 and AMX-INT8 (kAmx, and BATCHRUN_AMX_BUILD for #if), the
 // process's permission to use the tile registers (amx_ready) and the tile configuration record (TileConfig).
 // Included by cpu_attention_amx.h and amx_linear.cpp.
 #pragma once
@@ -13,7 +13,8 @@
 
 namespace batchrun {
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && defined(CPU_CAPABILITY_AVX512) && \
+    defined(__AVX512BF16__)
 #define BATCHRUN_AMX_BUILD 1
 constexpr bool kAmx = true;
 

@@ -1,5 +1,6 @@
-"""bfloat16 linear layers on AMX tiles (amx_linear.cpp), where the CPU has AMX-BF16: the weight packed once into the
-order the tile loop streams it, the product in one pass over the weight for up to 32 rows at a time.
+"""Linear layers on AMX tiles (amx_linear.cpp), where the CPU has AMX: bfloat16 layers, and W8A8 int8 products
+(quant/cpu_kernels.py). The weight is packed once into the order the tile loop streams it; the product runs in one
+pass over the weight for up to 32 rows at a time.
 
 A decode step's products are bound by reading the weights from memory. oneDNN's packed bfloat16 product reached
 8.0-8.3 GB/s of weights on SmolLM2's four layer shapes at 32 rows, cold (one thread of an Intel Xeon with AMX, the
@@ -16,7 +17,7 @@ import torch
 from batchrun.cpuinfo import cpu_flags
 from batchrun.kernels import cpp_build
 
-INPUT_MULTIPLE = 32   # the packed layout's step over the inputs; other widths stay on oneDNN
+ROW_BYTES_MULTIPLE = 64   # a weight row's bytes must be whole steps (32 bfloat16 or 64 int8 inputs)
 
 _kernel = cpp_build.Kernel("batchrun_amx_linear",
                            [Path(__file__).with_name(name) for name in ("amx_linear.cpp", "amx.h")],
@@ -24,31 +25,38 @@ _kernel = cpp_build.Kernel("batchrun_amx_linear",
 
 
 class PackedWeight:
-    """A weight [out_features, in_features] in the kernel's layout (zero-padded to 32 outputs)."""
+    """A bfloat16 or int8 weight [out_features, in_features] in the kernel's layout (zero-padded to 32 outputs)."""
 
     def __init__(self, weight: torch.Tensor):
         self.out_features, self.in_features = weight.shape
-        self.tiles = _kernel.module.pack(weight.detach().contiguous())
+        self.tiles = _kernel.load().pack(weight.detach().contiguous())   # callers checked available()
 
     def to_dense(self) -> torch.Tensor:
         """The weight [out_features, in_features] back from the tiles."""
-        blocks, pairs = self.tiles.shape[:2]
-        return self.tiles.permute(0, 2, 1, 3).reshape(blocks * 32, pairs * 2)[:self.out_features]
+        blocks, groups, _, group = self.tiles.shape
+        return self.tiles.permute(0, 2, 1, 3).reshape(blocks * 32, groups * group)[:self.out_features]
 
 
 def available() -> bool:
-    """Whether bfloat16 layers can run here: the CPU has AMX-BF16, the kernel built, the OS grants the tiles."""
-    if not {"amx_bf16", "amx_tile"} <= cpu_flags():
+    """Whether the kernel can run here: the CPU has AMX-BF16 and AMX-INT8, it built, the OS grants the tiles."""
+    if not {"amx_bf16", "amx_int8", "amx_tile"} <= cpu_flags():
         return False
     module = _kernel.load()
     return module is not None and module.ready()
 
 
 def packable(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
-            and weight.shape[1] % INPUT_MULTIPLE == 0 and available())
+    """A CPU bfloat16 or int8 [N, K] weight whose rows are whole steps, where the kernel runs."""
+    return (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.int8) and weight.dim() == 2
+            and weight.shape[1] * weight.element_size() % ROW_BYTES_MULTIPLE == 0 and available())
 
 
 def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [rows, in_features] bfloat16 @ W^T (+ bias) -> [rows, out_features] bfloat16."""
     return _kernel.module.linear(x.contiguous(), packed.tiles, packed.out_features, bias)
+
+
+def int8_product(qx: torch.Tensor, packed: PackedWeight, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """qx [rows, in_features] int8 @ W^T (int8) x scale [out_features] -> [rows, out_features] in `dtype` (float32
+    or bfloat16), without the activations' row scale."""
+    return _kernel.module.int8_product(qx.contiguous(), packed.tiles, packed.out_features, scale, dtype)

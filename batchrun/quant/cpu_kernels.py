@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from batchrun.kernels import amx_linear
 from batchrun.quant.quantize import fake_quantize_rows
 from batchrun.quant.weights import QuantizedWeight, unpack_int4
 
@@ -78,6 +79,18 @@ class Int8OneDNN(W8A8):
     def product(self, qx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return torch.ops.onednn.qlinear_pointwise(qx, 1.0, 0, self.packed, self.scale, self.zero_points, None, 1.0,
                                                   0, product_dtype(dtype), "none", [], "")
+
+
+class Int8Amx(W8A8):
+    """W8A8 on AMX tiles (kernels/amx_linear.py): the int8 weight packed once, streamed at a decode step's rows
+    as the bfloat16 kernel streams its weights, the weight scale applied in the kernel."""
+
+    def __init__(self, w: QuantizedWeight):
+        self.packed = amx_linear.PackedWeight(w.data)
+        self.scale, self.input_scale = w.scale.float().reshape(-1).contiguous(), w.input_scale
+
+    def product(self, qx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return amx_linear.int8_product(qx, self.packed, self.scale, product_dtype(dtype))
 
 
 class Int8IntMM(W8A8):
@@ -138,5 +151,5 @@ class Int4Packed:
                                                           self.scale_and_offset[x.dtype])
 
 
-KERNELS = {"w8a16": Int8WeightOnly, "w8a8-onednn": Int8OneDNN, "w8a8-intmm": Int8IntMM,
+KERNELS = {"w8a16": Int8WeightOnly, "w8a8-amx": Int8Amx, "w8a8-onednn": Int8OneDNN, "w8a8-intmm": Int8IntMM,
            "fp8-scaledmm": Fp8ScaledMM, "fp8-dequant": Fp8Dequant, "int4": Int4Packed}

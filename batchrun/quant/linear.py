@@ -2,7 +2,8 @@
 opaque op `batchrun::quant_linear` that runs it inside the whole-model torch.compile graph (found by handle, as
 the packed float weights are, graph.py).
 
-CPU choice (measured, cpu_kernels.py): int8 W8A8 -> oneDNN qlinear (aten._int_mm where this torch lacks it),
+CPU choice (measured, cpu_kernels.py): int8 W8A8 -> batchrun's AMX kernel where the CPU has AMX, else oneDNN
+qlinear (aten._int_mm where this torch lacks it),
 int8 W8A16 -> aten._weight_int8pack_mm, fp8 -> emulated (e4m3 widened at each call), int4 -> aten's int4pack.
 """
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from batchrun.kernels import rotate_quant
+from batchrun.kernels import amx_linear, rotate_quant
 from batchrun.models import graph
 from batchrun.quant import cpu_kernels
 from batchrun.quant.quantize import fake_quantize_rows
@@ -25,6 +26,8 @@ def cpu_kernel_name(weight: QuantizedWeight) -> str:
     if weight.kind == "int8":
         if weight.activations == "none":
             return "w8a16"
+        if amx_linear.packable(weight.data):
+            return "w8a8-amx"
         return "w8a8-onednn" if hasattr(torch.ops.onednn, "qlinear_prepack") else "w8a8-intmm"
     return {"fp8": "fp8-dequant", "int4": "int4"}[weight.kind]
 
