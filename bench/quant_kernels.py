@@ -4,8 +4,10 @@ decode step (32 rows) and a prefill chunk (1,024 rows): the numbers batchrun/qua
     python bench/quant_kernels.py [--threads 2] [--rows 32 1024]
 
 Candidates per format (the weight [N, K], activations bfloat16 unless said):
-  bf16 / fp32    the float path batchrun runs today (oneDNN, pre-packed weight)
+  bf16 / fp32    the float path batchrun runs today (oneDNN, pre-packed weight; bf16 on batchrun's AMX kernel
+                 where the CPU has AMX)
   w8a16          aten._weight_int8pack_mm (int8 weight, per-channel scale, bf16 activations)
+  w8a8-amx       batchrun's AMX kernel, int8 form (kernels/amx_linear.py), activations quantized per token first
   w8a8-onednn    onednn.qlinear_pointwise on a qlinear_prepack'ed weight, activations quantized per token first
   w8a8-intmm     aten._int_mm (int8 x int8 -> int32), activations quantized per token first
   fp8-scaledmm   torch._scaled_mm with e4m3 weight and per-token e4m3 activations

@@ -32,7 +32,10 @@ class PackedWeight:
 
     def __init__(self, weight: torch.Tensor):
         self.out_features, self.in_features = weight.shape
-        self.tiles = _kernel.load().pack(weight.detach().contiguous())   # callers checked available()
+        module = _kernel.load()
+        if module is None:
+            raise RuntimeError("the AMX linear kernel is not available here (see the log)")
+        self.tiles = module.pack(weight.detach().contiguous())
 
     def to_dense(self) -> torch.Tensor:
         """The weight [out_features, in_features] back from the tiles."""

@@ -12,7 +12,9 @@ activations; ms, lower is better):
     0.3B Llama, 32 rows          25.4         35.5      40.6       8.8        17.2        348.2         211.7      30.3
     0.3B Llama, 1,024 rows      118.5        602.2    1241.1     398.3       739.1       1690.6        1101.4    1129.5
 
-So linear.py picks: W8A8 -> oneDNN qlinear (2.2-2.9x the bf16 path at decode; 0.3x at a 1,024-row prefill
+So linear.py picks: W8A8 -> batchrun's AMX kernel where the CPU has AMX (Int8Amx, measured later: one thread,
+the 0.3B shapes at 32 rows 1.39 ms a layer against qlinear's 1.83; equal at 256 rows), else oneDNN qlinear
+(2.2-2.9x the bf16 path at decode; 0.3x at a 1,024-row prefill
 chunk in that run, where the float32 result was scaled out of place: with the result in the activations' dtype
 scaled in place, one 0.3B gate/up product at 1,024 rows takes 16 ms (plus 4.7 ms to quantize the activations
 eagerly) against packed bf16's 22, one thread; _int_mm was faster on SmolLM2's small decode products in this single noisy run but 2x
