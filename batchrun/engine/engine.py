@@ -19,6 +19,7 @@ from batchrun.engine.request import Request, RequestOutput
 from batchrun.engine.sampler import Sampler
 from batchrun.engine.scheduler import Lane, Scheduler, WaitingQueue, default_admission_key
 from batchrun.engine.step_stats import PhaseClock, StepShape, StepStats
+from batchrun.engine.step_threads import StepThreads
 from batchrun.engine.stop import StopRule
 from batchrun.models import cpu_gemm
 from batchrun.quant import formats as quant_formats
@@ -68,6 +69,7 @@ class Engine:
         self._grammars: GrammarCompiler | None = None   # built at the first structured-output request
         self._rejected: list[Request] = []
         self._ids = itertools.count()
+        self.step_threads: StepThreads | None = None   # set while serving on the CPU (LLM.start_background)
 
     def _build_lanes(self, admission_key) -> list[Lane]:
         """The batch lane, and the interactive lane's own pool when enabled; sizes logged for capacity planning."""
@@ -226,6 +228,8 @@ class Engine:
         self._rejected = []
         plan = self.scheduler.schedule()
         shape = StepShape.of(plan.scheduled)   # read before update advances the requests
+        if self.step_threads is not None:
+            self.step_threads.before_step(shape.tokens)
         clock.lap("schedule_s")
         if plan.scheduled:
             self.stats.prompt_tokens += plan.num_prompt_tokens

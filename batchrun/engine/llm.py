@@ -8,12 +8,14 @@ import threading
 import time
 from typing import Any, Sequence
 
+import torch
 from tqdm.auto import tqdm
 
 from batchrun.config import EngineConfig
 from batchrun.engine.engine import Engine
 from batchrun.engine.handles import EngineOverloaded, RequestHandle
 from batchrun.engine.request import Request, RequestOutput
+from batchrun.engine.step_threads import StepThreads
 from batchrun.sampling_params import SamplingParams
 
 Prompt = str | list[int] | list[dict]
@@ -138,8 +140,11 @@ class LLM:
         return self.engine.has_unfinished() or bool(self._inbox) or bool(self._aborts)
 
     def start_background(self) -> None:
-        """Step the engine in a daemon thread whenever there is work (for serving without a job)."""
+        """Step the engine in a daemon thread whenever there is work (for serving without a job); on the CPU, small
+        steps run on one thread there (step_threads.py)."""
         if self._loop_thread is None or not self._loop_thread.is_alive():
+            if self.engine.device.type == "cpu" and torch.get_num_threads() > 1:
+                self.engine.step_threads = StepThreads()
             self._stop_loop.clear()
             self._loop_thread = threading.Thread(target=self._background_loop, name="batchrun-engine", daemon=True)
             self._loop_thread.start()
@@ -149,6 +154,9 @@ class LLM:
         self._wake.set()
         if self._loop_thread is not None:
             self._loop_thread.join()
+        if self.engine.step_threads is not None:
+            self.engine.step_threads.restore()
+            self.engine.step_threads = None
 
     def close(self) -> None:
         """Stop the background loop and the engine's tensor-parallel worker ranks; the LLM cannot step after."""
