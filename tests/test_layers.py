@@ -8,7 +8,8 @@ import batchrun
 
 FLOORS = [
     {"cpuinfo", "paths", "config", "structured", "attention_metadata", "admission_order", "deadline"},
-    {"sampling_params", "kernels", "models"},
+    {"sampling_params", "kernels"},
+    {"models"},                              # model families; their CPU products call the kernels
     {"quant"},                               # quantized weights: formats, kernels, the loader's hook
     {"engine"},
     {"stepmodel", "kvcheck"},                # below the job (its ETA, its KV gate) and the planner
