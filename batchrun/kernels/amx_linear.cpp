@@ -10,12 +10,14 @@
 // tiles into four 32-bit accumulator tiles: 32 rows x 32 columns. Columns past N are zero in the packed copy and
 // not stored.
 //
-// Many rows (a prefill chunk): the rows go in chunks whose activations stay in L2 (kChunkBytes), each chunk over
-// every column block; where a block's weights fit L1 the rows are read with the streaming tile load, so they do not
-// evict them. Still slower than oneDNN's packed product there (one thread of the Xeon below, SmolLM2's four layer
-// products, 30 layers' weights from L3): 256 rows 2.65 ms a layer against 2.21, 1,034 rows 10.2 against 7.2; at
-// 32 rows 0.66-0.74 against 0.85-0.90. The chunks took 1,024 rows of the 0.3B Llama's down product from 11.7 to
-// 8.2 ms (warm, oneDNN 7.7).
+// Many rows (a prefill chunk): the rows go in chunks whose activations stay in L2 (kChunkBytes). Up to kPanelRows
+// rows, each column block runs over the chunk's row blocks, the rows read by the streaming tile load where the
+// block's weights fit L1 (so they do not evict them). Beyond that, a thread's column blocks go in panels of
+// kPanelBytes of weights, each row block over the panel's blocks: the row block's tiles stay in L1 and the weights
+// come by the streaming load. One thread of the Xeon below, SmolLM2's four layer products, 30 layers' weights from
+// L3, ms a layer against oneDNN's packed product: 32 rows 0.66-0.74 against 0.85-0.90; 256 rows 2.26 against
+// 1.98 (2.77 without the panels); 1,034 rows 7.9 against 6.7 (10.3 without the panels, 11.7-class without the
+// chunks).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -27,7 +29,9 @@
 namespace {
 
 constexpr int64_t kCols = 32, kStepBytes = 2048, kRowBytes = 128, kTileBytes = 64;
-constexpr int64_t kChunkBytes = 1 << 20, kL1WeightBytes = 36 * 1024;
+constexpr int64_t kChunkBytes = 1 << 20, kL1WeightBytes = 36 * 1024, kPanelRows = 128, kPanelBytes = 512 * 1024;
+
+enum class Streamed { kNone, kRows, kWeights };   // which operand's tiles come by the streaming load
 // Bytes ahead of the tiles being read that each step prefetches: 4 KiB (two steps) cut a decode step's products
 // by 8 % against the hardware prefetcher alone (32 rows, SmolLM2's shapes, weights cold).
 constexpr int64_t kPrefetchAhead = 4096;
@@ -45,8 +49,8 @@ void configure(int rows0, int rows1) {
 }
 
 // acc [32 rows][32 columns] (float32 for bfloat16 T, int32 for int8) = x's rows [0, 16 or 32) x the packed
-// weight's 32 columns; STREAM: x's tiles by the streaming load.
-template <typename T, bool STREAM>
+// weight's 32 columns.
+template <typename T, Streamed STREAM>
 void multiply_block(const T* x, int64_t k, const T* w, bool two, void* acc_) {
   auto* acc = static_cast<int32_t*>(acc_);   // 4-byte elements either way
   _tile_zero(4);
@@ -61,9 +65,14 @@ void multiply_block(const T* x, int64_t k, const T* w, bool two, void* acc_) {
   for (int64_t s = 0; s < steps; ++s) {
     const char* b = weights + s * kStepBytes;
     for (int64_t line = 0; line < kStepBytes; line += 64) _mm_prefetch(b + kPrefetchAhead + line, _MM_HINT_T0);
-    _tile_loadd(2, b, kRowBytes);
-    _tile_loadd(3, b + kTileBytes, kRowBytes);
-    if constexpr (STREAM) {
+    if constexpr (STREAM == Streamed::kWeights) {
+      _tile_stream_loadd(2, b, kRowBytes);
+      _tile_stream_loadd(3, b + kTileBytes, kRowBytes);
+    } else {
+      _tile_loadd(2, b, kRowBytes);
+      _tile_loadd(3, b + kTileBytes, kRowBytes);
+    }
+    if constexpr (STREAM == Streamed::kRows) {
       _tile_stream_loadd(0, x + s * inputs, x_stride);
     } else {
       _tile_loadd(0, x + s * inputs, x_stride);
@@ -76,7 +85,7 @@ void multiply_block(const T* x, int64_t k, const T* w, bool two, void* acc_) {
       _tile_dpbf16ps(5, 0, 3);
     }
     if (two) {
-      if constexpr (STREAM) {
+      if constexpr (STREAM == Streamed::kRows) {
         _tile_stream_loadd(1, x + 16 * k + s * inputs, x_stride);
       } else {
         _tile_loadd(1, x + 16 * k + s * inputs, x_stride);
@@ -135,29 +144,42 @@ void linear_blocks(const T* x, int64_t m, int64_t k, const T* w, const float* sc
                    Out* out) {
   const int64_t col_blocks = (n + kCols - 1) / kCols, block_bytes = k * kCols * sizeof(T);
   const int64_t row_bytes = k * sizeof(T), chunk_rows = std::max<int64_t>(64, kChunkBytes / row_bytes / 32 * 32);
-  const bool stream = m > 32 && block_bytes <= kL1WeightBytes;
+  const bool panels = m > kPanelRows, stream_rows = m > 32 && block_bytes <= kL1WeightBytes;
+  const int64_t panel_blocks = panels ? std::max<int64_t>(1, kPanelBytes / block_bytes) : 1;
   for (int64_t first = 0; first < m; first += chunk_rows) {
     const int64_t last = std::min(m, first + chunk_rows);
     // Threads split the columns: each reads its share of the weight once for the chunk's rows.
     at::parallel_for(0, col_blocks, 1, [&](int64_t begin, int64_t end) {
       alignas(64) int32_t acc[32 * kCols];
       int configured = -1;
-      for (int64_t cb = begin; cb < end; ++cb) {
-        const int64_t col = cb * kCols, cols = std::min(kCols, n - col);
+      auto unit = [&](int64_t row, int64_t cb) {   // one row block by one column block
+        const int rows = static_cast<int>(std::min<int64_t>(32, last - row)), rows0 = std::min(rows, 16);
+        if (configured != rows) {
+          configure(rows0, rows - rows0);
+          configured = rows;
+        }
         const T* block = w + cb * k * kCols;
-        for (int64_t row = first; row < last; row += 32) {
-          const int rows = static_cast<int>(std::min<int64_t>(32, last - row)), rows0 = std::min(rows, 16);
-          if (configured != rows) {
-            configure(rows0, rows - rows0);
-            configured = rows;
+        if (panels) {
+          multiply_block<T, Streamed::kWeights>(x + row * k, k, block, rows > 16, acc);
+        } else if (stream_rows) {
+          multiply_block<T, Streamed::kRows>(x + row * k, k, block, rows > 16, acc);
+        } else {
+          multiply_block<T, Streamed::kNone>(x + row * k, k, block, rows > 16, acc);
+        }
+        const int64_t col = cb * kCols;
+        store_block<T, Out>(acc, rows, std::min(kCols, n - col), scale ? scale + col : nullptr,
+                            bias ? bias + col : nullptr, out + row * n + col, n);
+      };
+      for (int64_t panel = begin; panel < end; panel += panel_blocks) {
+        const int64_t panel_end = std::min(end, panel + panel_blocks);
+        if (panels) {
+          for (int64_t row = first; row < last; row += 32) {
+            for (int64_t cb = panel; cb < panel_end; ++cb) unit(row, cb);
           }
-          if (stream) {
-            multiply_block<T, true>(x + row * k, k, block, rows > 16, acc);
-          } else {
-            multiply_block<T, false>(x + row * k, k, block, rows > 16, acc);
+        } else {
+          for (int64_t cb = panel; cb < panel_end; ++cb) {
+            for (int64_t row = first; row < last; row += 32) unit(row, cb);
           }
-          store_block<T, Out>(acc, rows, cols, scale ? scale + col : nullptr, bias ? bias + col : nullptr,
-                              out + row * n + col, n);
         }
       }
       _tile_release();

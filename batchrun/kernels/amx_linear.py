@@ -5,9 +5,10 @@ pass over the weight for up to 32 rows at a time.
 A decode step's products are bound by reading the weights. One thread of an Intel Xeon with AMX (480 MiB L3: the
 weights of 30 SmolLM2 layers come from L3), SmolLM2's four layer products at 32 rows: oneDNN's packed bfloat16
 product 0.85-0.90 ms a layer, this kernel 0.66-0.74; int8 on the 0.3B Llama's shapes 1.39 ms against oneDNN
-qlinear's 1.83. At prefill sizes it is slower than oneDNN (bfloat16, 1,034 rows: 10.2 against 7.2 ms a layer):
-on the bench's jobs the decode steps gain more than the prefill chunks lose (bench/vs_vllm.py, bfloat16, one
-thread: SmolLM2 +5-10 %, the 0.3B Llama +5-10 % output tokens per CPU second). tests/test_amx_linear.py checks it
+qlinear's 1.83. At prefill sizes it is equal or slower (bfloat16, 256 rows: 2.28 against 2.26 ms a layer;
+1,034 rows: 7.9 against 7.0). On the bench's jobs (bench/vs_vllm.py, bfloat16, one thread) the two together gained
+SmolLM2 +5-10 % and the 0.3B Llama +5-10 % output tokens per CPU second over oneDNN, the prefill panels another
+0-7 %. tests/test_amx_linear.py checks it
 against float32 and int32 products. Built once per machine (cpp_build.py); where it cannot be built, or the CPU or
 OS gives no AMX (or BATCHRUN_CPU_AMX=0), `available()` is False and the layers stay on oneDNN.
 """
