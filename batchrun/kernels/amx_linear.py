@@ -14,6 +14,7 @@ OS gives no AMX (or BATCHRUN_CPU_AMX=0), `available()` is False and the layers s
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -44,6 +45,7 @@ class PackedWeight:
         return self.tiles.permute(0, 2, 1, 3).reshape(blocks * 32, groups * group)[:self.out_features]
 
 
+@functools.cache
 def available() -> bool:
     """Whether the kernel can run here: the CPU has AMX-BF16 and AMX-INT8, it built, the OS grants the tiles."""
     if not {"amx_bf16", "amx_int8", "amx_tile"} <= cpu_flags():

@@ -1,6 +1,6 @@
 """Linear layers on the CPU through oneDNN, each weight pre-packed once at load for the blocked layout the
 matrix-product kernels read; bfloat16 weights on a CPU with AMX go to batchrun's own AMX kernel instead
-(kernels/amx_linear.py: about 20 % faster at a decode step's rows, slower at a prefill chunk's).
+(kernels/amx_linear.py: about 20 % faster at a decode step's rows, up to 13 % slower at a prefill chunk's).
 
 On an AMD EPYC (AVX2, 2 cores) oneDNN with packed weights ran SmolLM2's products faster than nn.Linear (MKL) at
 every row count measured: 32 rows (a decode step) 84-102 -> 140-149 GFLOP/s, the 49152-row lm_head 37 -> 18 ms;
