@@ -48,10 +48,26 @@ void configure(int rows0, int rows1) {
   _tile_loadconfig(&config);
 }
 
+// One tile load, by the streaming load when `streamed`; one dot product, int8 or bfloat16 by T. Macros, since GCC's
+// tile intrinsics paste their tile numbers into the instruction's text.
+#define BATCHRUN_TILE_LOAD(streamed, tile, ptr, stride) \
+  if constexpr (streamed) {                             \
+    _tile_stream_loadd(tile, ptr, stride);              \
+  } else {                                              \
+    _tile_loadd(tile, ptr, stride);                     \
+  }
+#define BATCHRUN_TILE_DOT(T, acc, rows, weights)   \
+  if constexpr (std::is_same_v<T, int8_t>) {       \
+    _tile_dpbssd(acc, rows, weights);              \
+  } else {                                         \
+    _tile_dpbf16ps(acc, rows, weights);            \
+  }
+
 // acc [32 rows][32 columns] (float32 for bfloat16 T, int32 for int8) = x's rows [0, 16 or 32) x the packed
 // weight's 32 columns.
 template <typename T, Streamed STREAM>
 void multiply_block(const T* x, int64_t k, const T* w, bool two, void* acc_) {
+  constexpr bool stream_rows = STREAM == Streamed::kRows, stream_weights = STREAM == Streamed::kWeights;
   auto* acc = static_cast<int32_t*>(acc_);   // 4-byte elements either way
   _tile_zero(4);
   _tile_zero(5);
@@ -65,38 +81,15 @@ void multiply_block(const T* x, int64_t k, const T* w, bool two, void* acc_) {
   for (int64_t s = 0; s < steps; ++s) {
     const char* b = weights + s * kStepBytes;
     for (int64_t line = 0; line < kStepBytes; line += 64) _mm_prefetch(b + kPrefetchAhead + line, _MM_HINT_T0);
-    if constexpr (STREAM == Streamed::kWeights) {
-      _tile_stream_loadd(2, b, kRowBytes);
-      _tile_stream_loadd(3, b + kTileBytes, kRowBytes);
-    } else {
-      _tile_loadd(2, b, kRowBytes);
-      _tile_loadd(3, b + kTileBytes, kRowBytes);
-    }
-    if constexpr (STREAM == Streamed::kRows) {
-      _tile_stream_loadd(0, x + s * inputs, x_stride);
-    } else {
-      _tile_loadd(0, x + s * inputs, x_stride);
-    }
-    if constexpr (std::is_same_v<T, int8_t>) {
-      _tile_dpbssd(4, 0, 2);
-      _tile_dpbssd(5, 0, 3);
-    } else {
-      _tile_dpbf16ps(4, 0, 2);
-      _tile_dpbf16ps(5, 0, 3);
-    }
+    BATCHRUN_TILE_LOAD(stream_weights, 2, b, kRowBytes)
+    BATCHRUN_TILE_LOAD(stream_weights, 3, b + kTileBytes, kRowBytes)
+    BATCHRUN_TILE_LOAD(stream_rows, 0, x + s * inputs, x_stride)
+    BATCHRUN_TILE_DOT(T, 4, 0, 2)
+    BATCHRUN_TILE_DOT(T, 5, 0, 3)
     if (two) {
-      if constexpr (STREAM == Streamed::kRows) {
-        _tile_stream_loadd(1, x + 16 * k + s * inputs, x_stride);
-      } else {
-        _tile_loadd(1, x + 16 * k + s * inputs, x_stride);
-      }
-      if constexpr (std::is_same_v<T, int8_t>) {
-        _tile_dpbssd(6, 1, 2);
-        _tile_dpbssd(7, 1, 3);
-      } else {
-        _tile_dpbf16ps(6, 1, 2);
-        _tile_dpbf16ps(7, 1, 3);
-      }
+      BATCHRUN_TILE_LOAD(stream_rows, 1, x + 16 * k + s * inputs, x_stride)
+      BATCHRUN_TILE_DOT(T, 6, 1, 2)
+      BATCHRUN_TILE_DOT(T, 7, 1, 3)
     }
   }
   _tile_stored(4, acc, kCols * 4);
@@ -106,6 +99,9 @@ void multiply_block(const T* x, int64_t k, const T* w, bool two, void* acc_) {
     _tile_stored(7, acc + 16 * kCols + 16, kCols * 4);
   }
 }
+
+#undef BATCHRUN_TILE_LOAD
+#undef BATCHRUN_TILE_DOT
 
 // The accumulators' 16 columns from `col` of row r as float32.
 template <typename T>
