@@ -113,3 +113,47 @@ def test_bfloat16_pieces_window_softcap(kernel, window, softcap, block_size, kv_
     dirty = cpu_attention.paged_decode_attention(query, k, v, tables, context_lens, scale, window=window,
                                                  softcap=softcap)
     torch.testing.assert_close(dirty, got, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("lens,kv_heads,threads", [
+    ([2400] * 4 + [200] * 28, 3, 2),          # the long requests together at the front
+    ([4000] + [100] * 31, 3, 2),              # one request more than a thread's share: split by KV head
+    ([50, 900, 7], 2, 2),                     # too few requests for the threads
+    ([300, 20, 800, 800, 5, 64, 1000, 2, 90, 400, 33, 700], 1, 3),
+])
+def test_tasks_are_dealt_out_by_context(kernel, lens, kv_heads, threads):
+    """Every (request, part) is one thread's, exactly once, and no thread gets more than 4/3 of the best split's
+    most loaded thread (a bound on longest-first dealing): at::parallel_for's contiguous halves of the batch put
+    the first lens' long requests all on one thread (1.5x slower)."""
+    split, order, offsets = kernel.task_plan(torch.tensor(lens), kv_heads, 0, threads)
+    assert split in (1, kv_heads) and len(offsets) == threads + 1
+    assert sorted(order) == list(range(len(lens) * split))
+    cost = [lens[task // split] / split + 32 for task in order]   # kTaskCost
+    loads = [sum(cost[offsets[t]:offsets[t + 1]]) for t in range(threads)]
+    best = max(sum(cost) / threads, max(cost))
+    assert max(loads) <= 4 / 3 * best + 1e-9
+    if lens[0] == 4000:
+        assert split == kv_heads
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_same_output_on_any_thread_count(kernel, kv_dtype):
+    """However the tasks are dealt out (1-3 threads; whole requests or split by KV head), each request's output is
+    the same, bit for bit, and matches the reference."""
+    lens = [700, 3, 64, 65, 20] + [9] * 6
+    k, _ = random_pool(96, 16, 3, 64, kv_dtype, seed=21)
+    v, _ = random_pool(96, 16, 3, 64, kv_dtype, seed=22)
+    tables = torch.randint(0, 96, (len(lens), 44), generator=torch.Generator().manual_seed(23))   # blocks may repeat
+    query = torch.randn(len(lens), 9, 64, generator=torch.Generator().manual_seed(24)).to(kv_dtype)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(cpu_attention.paged_decode_attention(query, k, v, tables, torch.tensor(lens), 0.125))
+    finally:
+        torch.set_num_threads(threads)
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], rtol=0, atol=0)
+    want = reference.paged_decode_attention(query.float(), k.float(), v.float(), tables, torch.tensor(lens), 0.125)
+    torch.testing.assert_close(outs[0].float(), want.to(kv_dtype).float(), rtol=1e-2, atol=1e-2)

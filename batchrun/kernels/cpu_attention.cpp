@@ -13,11 +13,13 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
 #include "cpu_attention_amx.h"
 #include "cpu_vec.h"
+#include "task_balance.h"
 
 namespace {
 
@@ -31,8 +33,8 @@ using batchrun::padded;
 // accumulator rescaled when the max grows), so K and V of a block are read together, once. Positions go kLanes at
 // a time: a query head's kLanes dot products stay vectors until one tree of deinterleaves (sum_each) turns them
 // into one vector of scores, where a horizontal sum per position cost a reduction each. A task is a request with
-// all its KV heads (its blocks are then read as contiguous runs) or, when there are too few requests for the
-// threads, one (request, KV head).
+// all its KV heads (its blocks are then read as contiguous runs) or one (request, KV head), dealt out to the
+// threads by its context (task_balance.h).
 template <typename T, typename Q, int DIM>
 void decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                       const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale,
@@ -69,10 +71,10 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache, 
           static_cast<float>(scale), window, cap, reinterpret_cast<at::BFloat16*>(out_ptr));
     }
   }
-  const bool whole_requests = batch >= 2 * at::get_num_threads();
-  const int64_t split = whole_requests ? 1 : kv_heads, task_heads = kv_heads / split;
+  const batchrun::TaskPlan plan = batchrun::balance_tasks(lens, batch, kv_heads, window);
+  const int64_t split = plan.split, task_heads = kv_heads / split;
 
-  at::parallel_for(0, batch * split, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, plan.threads(), 1, [&](int64_t begin, int64_t end) {
     const int64_t qheads = task_heads * group;
     std::vector<float> qs(qheads * pdim), acc(qheads * pdim), top(qheads), total(qheads);
     std::vector<float> k_rows(kLanes * pdim, 0.f), v_rows(kLanes * pdim, 0.f), probs(group * kLanes), ordered(pdim);
@@ -83,8 +85,8 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache, 
 #else
     void* v_pairs = nullptr;
 #endif
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / split, h_lo = (task % split) * task_heads, end_pos = lens[b];
+    for (int64_t i = plan.offsets[begin]; i < plan.offsets[end]; ++i) {
+      const int64_t task = plan.order[i], b = task / split, h_lo = (task % split) * task_heads, end_pos = lens[b];
       const int64_t lo = window > 0 ? std::max<int64_t>(0, end_pos - window) : 0;
       const Q* q_row = q_ptr + (b * heads + h_lo * group) * dim;
       for (int64_t g = 0; g < qheads && !kDots; ++g) {   // the query once to float32, scale folded in
@@ -294,6 +296,16 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
   return out;
 }
 
+// (split, order, offsets) of balance_tasks, for tests.
+std::tuple<int64_t, std::vector<int64_t>, std::vector<int64_t>> task_plan(const torch::Tensor& context_lens,
+                                                                         int64_t kv_heads, int64_t window,
+                                                                         int64_t threads) {
+  const torch::Tensor lens = context_lens.to(torch::kLong).contiguous();
+  batchrun::TaskPlan plan = batchrun::balance_tasks(lens.data_ptr<int64_t>(), lens.size(0), kv_heads, window, threads);
+  return {plan.split, plan.order, plan.offsets};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention reading K/V in place");
+  m.def("task_plan", &task_plan, "how decode attention deals its tasks to `threads` threads (for tests)");
 }

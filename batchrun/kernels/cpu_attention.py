@@ -22,8 +22,8 @@ import torch
 from batchrun.kernels import cpp_build
 
 _QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_kernel = cpp_build.Kernel("batchrun_cpu_attention",
-                           [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_attention_amx.h", "amx.h", "cpu_vec.h")],
+_SOURCES = ("cpu_attention.cpp", "cpu_attention_amx.h", "amx.h", "cpu_vec.h", "task_balance.h")
+_kernel = cpp_build.Kernel("batchrun_cpu_attention", [Path(__file__).with_name(name) for name in _SOURCES],
                            "CPU attention kernel", "the slower torch path")
 load = _kernel.load   # the compiled module, or None (no compiler, failed build, or turned off)
 

@@ -19,6 +19,7 @@
 
 #include "amx.h"
 #include "cpu_vec.h"
+#include "task_balance.h"
 
 namespace batchrun {
 
@@ -64,12 +65,12 @@ void decode_attention_amx(const at::BFloat16* q_ptr, const at::BFloat16* k_ptr, 
   static_assert(DIM % 32 == 0);
   constexpr int kWords = DIM / 32, kVecs = DIM / 16;
   const int64_t group = heads / kv_heads, token_stride = kv_heads * DIM;
-  const bool whole_requests = batch >= 2 * at::get_num_threads();
-  const int64_t split = whole_requests ? 1 : kv_heads, task_heads = kv_heads / split;
+  const TaskPlan plan = balance_tasks(lens, batch, kv_heads, window);
+  const int64_t split = plan.split, task_heads = kv_heads / split;
   const Vec score_scale(scale), neg_inf(-std::numeric_limits<float>::infinity()), cap(softcap);
   const int64_t row_bytes = token_stride * static_cast<int64_t>(sizeof(at::BFloat16));
 
-  at::parallel_for(0, batch * split, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, plan.threads(), 1, [&](int64_t begin, int64_t end) {
     configure_tiles(static_cast<int>(group));
     const int64_t qheads = task_heads * group;
     // Q^T per KV head: [word][dim pair][query head] pairs of bfloat16, the B operand of the score product
@@ -80,8 +81,8 @@ void decode_attention_amx(const at::BFloat16* q_ptr, const at::BFloat16* k_ptr, 
     alignas(64) __m512i v_pairs[kStep / 2 * kVecs];
     const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                               _mm512_set1_epi32(static_cast<int>(group)));
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / split, h_lo = (task % split) * task_heads, end_pos = lens[b];
+    for (int64_t i = plan.offsets[begin]; i < plan.offsets[end]; ++i) {
+      const int64_t task = plan.order[i], b = task / split, h_lo = (task % split) * task_heads, end_pos = lens[b];
       const int64_t lo = window > 0 ? std::max<int64_t>(0, end_pos - window) : 0;
       const uint32_t* q_words = reinterpret_cast<const uint32_t*>(q_ptr + (b * heads + h_lo * group) * DIM);
       for (int64_t qh = 0; qh < qheads; ++qh) {
