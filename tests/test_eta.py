@@ -181,6 +181,22 @@ def test_full_prefill_chunks_alone_do_not_price_the_decode_steps_to_come():
     assert abs(estimate.seconds_left / job.time_to_finish() - 1) < 0.15
 
 
+def test_the_first_estimate_comes_with_the_first_small_steps_not_at_the_next_timer():
+    # A simulation while the record holds full prefill chunks alone gives no estimate; the next one came at the
+    # timer (a quarter of the run so far, >= 2 % of the run per simulation's cost), 5 s into a 56 s run of the
+    # sample at bf16. It now comes as soon as the record can price the small steps.
+    job = SyntheticJob([100] * 8, [300] * 8, step_time=prefill_law)
+    while len(job.eta.steps) < MIN_STEPS:
+        job.step()
+    assert job.eta.estimate(job.scheduler, []) is None
+    job.eta._next_simulation = float("inf")   # a timer that would wait for ever
+    while sum(n <= max(t for t, *_ in job.eta.steps) / 2 for n, *_ in job.eta.steps) < MIN_SMALL_STEPS:
+        assert job.eta.estimate(job.scheduler, []) is None
+        job.step()
+    estimate = job.eta.estimate(job.scheduler, [])
+    assert estimate is not None and abs(estimate.seconds_left / job.time_to_finish() - 1) < 0.15
+
+
 def test_the_fit_recovers_a_prefill_attention_term_the_three_term_fit_misprices():
     """Steps of a run with long prompts and decodes that follow a known law with a prefill-attention term: the fit
     recovers its four coefficients; without the fourth term, the same steps price the decode tail wrong."""

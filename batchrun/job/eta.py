@@ -85,6 +85,7 @@ class EtaEstimator:
         self._recent: deque[tuple[float, float]] = deque(maxlen=3)   # (clock, seconds left) of the last simulations
         self._misses: deque[float] = deque(maxlen=MISSES_KEPT)      # held-out misses of the last fits (eta_band)
         self._next_simulation = 0.0                          # clock time of the next simulation
+        self._gated = False   # the last simulation gave no estimate for want of small steps (_fit); retried on them
         self._warned = False
 
     # -- observations ------------------------------------------------------------------------------------------
@@ -138,7 +139,7 @@ class EtaEstimator:
         until a fit can price the work left (_fit). Re-simulates when the last simulation is old enough; otherwise
         counts down from it."""
         now = self.clock()
-        if now >= self._next_simulation:
+        if now >= self._next_simulation or (self._gated and self._small_steps() >= MIN_SMALL_STEPS):
             self._resimulate(now, scheduler, queued)
         if self._last is None:
             return None
@@ -163,7 +164,8 @@ class EtaEstimator:
         ran = now - self._run_start if self._run_start is not None else 0.0
         cost = self.clock() - start
         self._next_simulation = now + max(min(self.min_interval_s, 0.25 * ran), cost / SIM_COST_SHARE)
-        if eta is None:   # the work left runs steps of a size the record cannot price yet
+        self._gated = eta is None
+        if eta is None:   # the work left runs steps of a size the record cannot price yet: again once it can
             return
         # one fit on a young or noisy record can be far off: report the median of the last three, each aged to now
         self._recent.append((now, eta.seconds_left))
@@ -191,10 +193,18 @@ class EtaEstimator:
             self._misses.append(fitted.miss)
         if self._run_steps >= MIN_STEPS and self._run_step_s > 0:
             self.overhead = max(1.0, (self.clock() - self._run_start) / self._run_step_s)
-        half = max(shape.tokens for shape in shapes) / 2
-        return (model, (half if sum(shape.tokens <= half for shape in shapes) < MIN_SMALL_STEPS else 0),
+        return (model, (self._half_largest() if self._small_steps() < MIN_SMALL_STEPS else 0),
                 step_spread(model, shapes, times, fit_error(self._misses) if self._misses else TOLERANCE),
                 familiar_batch(shapes))
+
+    def _half_largest(self) -> float:
+        return max(tokens for tokens, *_ in self.steps) / 2
+
+    def _small_steps(self) -> int:
+        """Recorded steps of at most half the largest one's tokens (the decode steps, when the first were full
+        prefill chunks)."""
+        half = self._half_largest() if self.steps else 0
+        return sum(tokens <= half for tokens, *_ in self.steps)
 
     def _simulate(self, model: LinearModel, unseen_up_to: float, steps_spread: tuple[float, float], familiar: int,
                   running, waiting, queued_rows) -> Eta | None:
