@@ -145,3 +145,26 @@ def test_the_drains_small_batches_are_priced_from_full_ones_by_the_per_sequence_
     assert abs(half["drain"] - 1) < 0.6 * abs(none["drain"] - 1), (half, none)
     whole = fit_recent(shapes, times, prior=ContextPrior(ratio, sequence_ratio=1.5)).model
     assert all(abs(r - 1) < 0.01 for r in priced(whole, fitted_on=0).values())
+
+
+def test_prefill_chunks_of_one_size_do_not_split_their_time_into_a_fixed_cost():
+    """A longest-first run's first steps: ten full 1,024-token chunks and one of 716, then decode steps. There a
+    prefill step's fixed cost (g) and its tokens' (b x 1,024) are one number; the fit that split it put 80 ms into
+    g and priced the half-size chunks that followed 42 % high (SmolLM2, bf16). g waits for steps of other sizes."""
+    def law(shape: StepShape) -> float:
+        return 0.02 + 2e-4 * shape.tokens + 1.5e-6 * shape.kv_tokens + 2e-7 * shape.prefill_pairs + 0.008 * (
+            shape.tokens > shape.seqs)
+
+    rng = np.random.default_rng(0)
+    first = [StepShape(1024, 1 + i, 1024 * (i + 1), 1024 * (i + 1) + 400_000 + 37_000 * i) for i in range(10)]
+    first += [StepShape(716, 32, 11_000, 11_000 + 40_000)] + [StepShape(32, 32, 12_000 + 32 * i, 12_000 + 32 * i)
+                                                               for i in range(5)]
+    times = [law(s) * rng.uniform(0.97, 1.03) for s in first]
+    model = fit_linear(first, times, holdout_every=0, prior=ContextPrior(1.5e-6 / 0.02))
+    half_chunks = [StepShape(450 + 10 * i, 33, 15_000, 15_000 + 450 * 900) for i in range(20)]
+    assert model.g == 0.0
+    assert abs(sum(model.step_time(s) for s in half_chunks) / sum(law(s) for s in half_chunks) - 1) < 0.08
+    # steps of other sizes in the record: g is fitted
+    more = first + half_chunks[:4]
+    fitted = fit_linear(more, [law(s) for s in more], holdout_every=0, prior=ContextPrior(1.5e-6 / 0.02))
+    assert fitted.g == pytest.approx(0.008, rel=0.05)

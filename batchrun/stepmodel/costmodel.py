@@ -336,8 +336,8 @@ def fit_linear(shapes: list[StepShape], times: list[float], holdout_every: int =
     # steps of one token count only (so far, full prefill chunks): a and b cannot be told apart; the time goes to b
     if np.ptp(x[:, B]) == 0:
         x[:, A], prior = 0.0, None
-    if np.ptp(x[train, G]) == 0:   # all prefill steps, or none: their fixed cost is a's
-        x[:, G] = 0.0
+    if np.ptp(x[train, G]) == 0 or not _sizes_vary(x[train & (x[:, G] > 0), B]):
+        x[:, G] = 0.0   # all prefill steps or none (their fixed cost is a's), or all of one size (it is b's)
     for _ in range(3):   # a shared CPU stalls now and then: drop steps far off the fit (3 robust sigmas), refit
         wx, wy = x[train] * root[train], y[train] * root[train, 0]
         extra_x, extra_y = _prior_rows(wx, wy, prior)
@@ -353,6 +353,17 @@ def fit_linear(shapes: list[StepShape], times: list[float], holdout_every: int =
     return LinearModel(*map(float, coef), train_error=_mape(pred[train], y[train]),
                        heldout_error=_mape(pred[held], y[held]) if held.any() else 0.0,
                        heldout_total_error=float(total), steps=len(y), outliers=int((~held & ~train).sum()))
+
+
+MIN_OTHER_SIZES = 3   # prefill steps off the usual size needed to tell a prefill step's fixed cost (g) from b
+
+
+def _sizes_vary(tokens: np.ndarray) -> bool:
+    """Whether at least MIN_OTHER_SIZES steps are more than 25 % off the median size. A run's first steps are often
+    full chunks of one size: there g + size x b is one number, and a split that put 80 ms into g (SmolLM2, bf16,
+    longest first: ten 1,024-token chunks and one of 716) priced the half-size chunks that followed 42 % high."""
+    middle = np.median(tokens) if len(tokens) else 0.0
+    return int(np.sum(np.abs(tokens - middle) > 0.25 * middle)) >= MIN_OTHER_SIZES
 
 
 def _robust_sigma(residuals: np.ndarray, weights: np.ndarray | None = None) -> float:
