@@ -3,7 +3,7 @@ transformers: on the tiny Llama across block boundaries, chunked prefill and pre
 family. The rest of the suite runs per op (conftest sets BATCHRUN_COMPILE=ops: a graph per engine costs seconds)."""
 import pytest
 
-from batchrun import LLM
+from batchrun import LLM, SamplingParams
 from conftest import random_prompts, save_tiny_model
 from test_engine_matches_transformers import assert_matches
 from test_model_families import FAMILIES, check, reference
@@ -43,3 +43,20 @@ def test_moe_keeps_the_per_op_path(tmp_path):
     """Expert routing has data-dependent shapes: MoE families run per op even with the graph switched on."""
     save_tiny_model(tmp_path, "mixtral", seed=1, **FAMILIES["mixtral"][1])
     assert LLM(model=str(tmp_path), kv_cache_memory="4MiB").engine.model._graph is None
+
+
+def test_the_graph_is_built_before_the_first_step(tiny_model):
+    """The engine compiles at start-up (a warm-up through prefill, a cached prefix and decode), so a job's steps,
+    its ETA and calibration never count the compile; the warm-up leaves no ids, steps or cache hits behind."""
+    from torch._dynamo.utils import counters
+    path, model = tiny_model
+    compiled = counters["stats"]["unique_graphs"]
+    llm = graph_llm(path, block_size=4, max_num_batched_tokens=7)
+    assert counters["stats"]["unique_graphs"] > compiled, "nothing was compiled at start-up"
+    stats = llm.engine.stats
+    assert stats.step == 0 and stats.prefix_cache_hit_tokens == 0
+    compiled = counters["stats"]["unique_graphs"]
+    outputs = llm.generate(random_prompts([1, 5], seed=6), SamplingParams(max_tokens=2), use_tqdm=False)
+    assert [o.request_id for o in outputs] == ["0", "1"]
+    assert_matches(llm, model, random_prompts([1, 5, 14, 30], seed=5))
+    assert counters["stats"]["unique_graphs"] == compiled, "a real step compiled again"

@@ -54,5 +54,5 @@ def build_model(config: EngineConfig, model_path: str, hf_config, device: torch.
     # Unpacked weights tile in Python over a step-dependent row count, which the whole-model graph cannot trace.
     if device.type == "cpu" and graph.enabled() and model.whole_graph and (packed or not config.deterministic):
         model.compile_graph()
-        log.info("forward: one torch.compile graph (compiled at the first steps; BATCHRUN_COMPILE=ops: per op)")
+        log.info("forward: one torch.compile graph (built by a warm-up at start-up; BATCHRUN_COMPILE=ops: per op)")
     return model, adapters

@@ -127,6 +127,11 @@ class CausalLM(nn.Module):
         own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
         self._graph = torch.compile(types.MethodType(own, self), dynamic=True, fullgraph=True)
 
+    @property
+    def graph_compiled(self) -> bool:
+        """True once compile_graph() has run: the graph itself is built at the first forward."""
+        return self._graph is not None
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """Hidden states for every new token; logits only at `logits_indices` (the tokens to sample)."""
