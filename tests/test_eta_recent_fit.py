@@ -10,7 +10,7 @@ import pytest
 
 import batchrun.stepmodel.recent_fit as recent_fit
 from batchrun.engine.step_stats import StepShape
-from batchrun.stepmodel.costmodel import ContextPrior, fit_linear
+from batchrun.stepmodel.costmodel import ATTENTION_SLOWDOWN, ContextPrior, fit_linear
 from batchrun.stepmodel.recent_fit import fit_recent
 from test_eta import SyntheticJob, prefill_law
 
@@ -168,3 +168,19 @@ def test_prefill_chunks_of_one_size_do_not_split_their_time_into_a_fixed_cost():
     more = first + half_chunks[:4]
     fitted = fit_linear(more, [law(s) for s in more], holdout_every=0, prior=ContextPrior(1.5e-6 / 0.02))
     assert fitted.g == pytest.approx(0.008, rel=0.05)
+
+
+def test_a_few_short_chunks_do_not_put_the_tokens_time_into_prefill_pairs():
+    """A float32 1,000-row run's first 8 recorded steps (SmolLM2, shortest first, Intel Xeon): decodes of 32 and two
+    mixed steps whose new tokens and prefill pairs grow together. The free fit put their time into d (4.2e-5 s a
+    pair, b = 0) and priced a long prompt's 1,024-token chunk to come at 21.7 s (about 1 s on the machine): the
+    first estimate was 4.9x the time left. The prior d = pair_ratio x b splits it."""
+    spec_ratio = 3.254e-4   # ModelSpec.pair_ratio of SmolLM2-135M
+    shapes = [StepShape(32, 32, c, c) for c in (1228, 1260, 1292, 1324, 1356, 1388)]
+    shapes += [StepShape(141, 32, 1389, 4377), StepShape(55, 32, 1416, 2060)]
+    times = [0.079, 0.074, 0.074, 0.076, 0.076, 0.076, 0.204, 0.112]
+    chunk = StepShape(1024, 33, 20_000, 520_000)
+    free = ContextPrior(8.5e-5, sequence_ratio=0.27)
+    assert fit_linear(shapes, times, holdout_every=0, prior=free).step_time(chunk) > 15
+    tied = ContextPrior(8.5e-5, sequence_ratio=0.27, pair_ratio=spec_ratio * ATTENTION_SLOWDOWN)
+    assert 0.5 < fit_linear(shapes, times, holdout_every=0, prior=tied).step_time(chunk) < 2.0

@@ -109,6 +109,14 @@ class ModelSpec:
         return embeddings / max(self.active_params - embeddings * (1 if self.tied_embeddings else 2), 1)
 
     @property
+    def pair_ratio(self) -> float:
+        """A prefill pair's attention FLOPs (4 x layers x heads x head_dim, as RooflineModel counts them) over a
+        token's pass through the layers (2 x their active parameters)."""
+        embeddings = self.vocab_size * self.hidden_size
+        layers = max(self.active_params - embeddings * (1 if self.tied_embeddings else 2), 1)
+        return 4 * self.num_layers * self.num_heads * self.head_dim / (2 * layers)
+
+    @property
     def weight_bytes(self) -> int:
         return int(self._bytes(self.num_experts))
 
@@ -272,36 +280,48 @@ class ContextPrior:
       overhead on a GPU), ratio x a overstates c.
     - e = sequence_ratio x b: a sequence's lm_head row against a token's layers (their FLOPs: vocab x hidden over
       the layers' parameters). While every decode step runs a full batch, a step's own cost and its sequences'
-      cannot be told apart; the drain's small batches that follow are priced by this split."""
+      cannot be told apart; the drain's small batches that follow are priced by this split.
+    - d = pair_ratio x b, to within PAIR_SPREAD: a prefill pair's attention against a token's layers. A run's first
+      steps are mostly decodes and a few short chunks, whose new tokens and prefill pairs grow together: a fit of 8
+      such steps (float32, shortest first) put their time into d (4.3e-5 s a pair, b = 0) and priced the long
+      prompts' chunks to come at 21 s each, the first estimate 4.9x the time left."""
     ratio: float               # (s per context token) / (s per step)
     spread: float = 0.25       # its relative standard deviation
     sequence_ratio: float = 0.0   # (s per sequence) / (s per token); 0: nothing known, e ~ 0 unless the steps say
+    pair_ratio: float = 0.0       # (s per prefill pair) / (s per token); 0: nothing known, d free
 
     @classmethod
-    def from_bytes(cls, kv_bytes_per_token: float, weight_bytes: float, sequence_ratio: float = 0.0
-                   ) -> "ContextPrior":
-        return cls(kv_bytes_per_token / max(weight_bytes, 1.0), sequence_ratio=sequence_ratio)
+    def from_bytes(cls, kv_bytes_per_token: float, weight_bytes: float, sequence_ratio: float = 0.0,
+                   pair_ratio: float = 0.0) -> "ContextPrior":
+        return cls(kv_bytes_per_token / max(weight_bytes, 1.0), sequence_ratio=sequence_ratio, pair_ratio=pair_ratio)
 
     @classmethod
     def of_engine(cls, engine) -> "ContextPrior":
         """An engine's KV bytes per context token over the bytes of its weights (every expert counted: a decode step
-        of a batch reads most of them), and a sequence's lm_head row over a token's layers (sequence_ratio)."""
+        of a batch reads most of them), a sequence's lm_head row over a token's layers (sequence_ratio), and a prefill
+        pair's attention over a token's layers at ATTENTION_SLOWDOWN x their FLOP rate (pair_ratio)."""
         spec = ModelSpec.from_config(engine.hf_config)
         return cls.from_bytes(engine.kv_bytes_per_token, spec.num_params * engine.dtype.itemsize,
-                              spec.sequence_ratio)
+                              spec.sequence_ratio, spec.pair_ratio * ATTENTION_SLOWDOWN)
 
 
 SEQUENCE_SPREAD = 0.15   # the least deviation of e from its prior, in units of b
+# Attention's FLOPs run slower than the projections': d / b over the FLOP ratio in fits of whole runs of SmolLM2 on
+# a Xeon was 2.3 (float32) and 2.7 (bfloat16). The spread is wide: steps that tell d from b outweigh it.
+ATTENTION_SLOWDOWN = 2.5
+PAIR_SPREAD = 1.0
 
 
 def _prior_rows(x: np.ndarray, y: np.ndarray, prior: ContextPrior | None) -> tuple[np.ndarray, np.ndarray]:
     """The priors as least-squares rows (x and y already weighted): Gaussian priors on c - ratio x a (deviation
-    spread x ratio x a0) and on e - sequence_ratio x b (deviation SEQUENCE_SPREAD x b0, at least), each weighed
-    against the steps' noise sigma (row weight = sigma / deviation). a0 and b0 come from the fit tied to the priors,
-    sigma from the free fit's residuals: where the steps fit the free model well, a wrong prior cannot pull it.
-    Without a prior: e ~ 0 (a sequence costs what a token does) unless the steps say otherwise."""
-    ratio, per_sequence = (prior.ratio, prior.sequence_ratio) if prior else (0.0, 0.0)
-    tied_x = np.c_[x[:, A] + ratio * x[:, C], x[:, B] + per_sequence * x[:, E], x[:, D], x[:, G]]
+    spread x ratio x a0), on e - sequence_ratio x b (deviation SEQUENCE_SPREAD x b0, at least) and on
+    d - pair_ratio x b (deviation PAIR_SPREAD x pair_ratio x b0), each weighed against the steps' noise sigma (row
+    weight = sigma / deviation). a0 and b0 come from the fit tied to the priors, sigma from the free fit's residuals:
+    where the steps fit the free model well, a wrong prior cannot pull it. Without a prior: e ~ 0 (a sequence costs
+    what a token does) unless the steps say otherwise, and d free."""
+    ratio, per_sequence, pair = (prior.ratio, prior.sequence_ratio, prior.pair_ratio) if prior else (0.0, 0.0, 0.0)
+    tied_x = np.c_[x[:, A] + ratio * x[:, C], x[:, B] + per_sequence * x[:, E] + pair * x[:, D],
+                   x[:, D] * (pair == 0), x[:, G]]
     tied = _nonneg_lstsq(tied_x, y)
     sigma = _robust_sigma(y - x @ _nonneg_lstsq(x, y))
     rows = []
@@ -314,6 +334,11 @@ def _prior_rows(x: np.ndarray, y: np.ndarray, prior: ContextPrior | None) -> tup
         row = np.zeros(x.shape[1])
         w = sigma / (max(SEQUENCE_SPREAD, 0.5 * per_sequence) * tied[1])
         row[B], row[E] = -w * per_sequence, w
+        rows.append(row)
+    if pair and tied[1] > 0 and x[:, D].any():
+        row = np.zeros(x.shape[1])
+        w = sigma / (PAIR_SPREAD * pair * tied[1])
+        row[B], row[D] = -w * pair, w
         rows.append(row)
     return np.array(rows).reshape(-1, x.shape[1]), np.zeros(len(rows))
 
