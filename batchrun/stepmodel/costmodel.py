@@ -283,7 +283,7 @@ class ContextPrior:
       cannot be told apart; the drain's small batches that follow are priced by this split.
     - d = pair_ratio x b, to within PAIR_SPREAD: a prefill pair's attention against a token's layers. A run's first
       steps are mostly decodes and a few short chunks, whose new tokens and prefill pairs grow together: a fit of 8
-      such steps (float32, shortest first) put their time into d (4.3e-5 s a pair, b = 0) and priced the long
+      such steps (float32, shortest first) put their time into d (4.2e-5 s a pair, b = 0) and priced the long
       prompts' chunks to come at 21 s each, the first estimate 4.9x the time left."""
     ratio: float               # (s per context token) / (s per step)
     spread: float = 0.25       # its relative standard deviation
