@@ -102,19 +102,22 @@ class ModelSpec:
         return projections * WEIGHT_FORMATS[self.weights] + plain * WEIGHT_BYTES
 
     @property
+    def layer_active_params(self) -> int:
+        """The active parameters a token passes through in the layers: all but the embeddings and lm_head (>= 1)."""
+        embeddings = self.vocab_size * self.hidden_size
+        return max(self.active_params - embeddings * (1 if self.tied_embeddings else 2), 1)
+
+    @property
     def sequence_ratio(self) -> float:
         """A sampled sequence's lm_head row against a token's pass through the layers, in FLOPs (vocab x hidden over
         the layers' active parameters): what a decode token costs beyond a prefill token, per token's cost."""
-        embeddings = self.vocab_size * self.hidden_size
-        return embeddings / max(self.active_params - embeddings * (1 if self.tied_embeddings else 2), 1)
+        return self.vocab_size * self.hidden_size / self.layer_active_params
 
     @property
     def pair_ratio(self) -> float:
         """A prefill pair's attention FLOPs (4 x layers x heads x head_dim, as RooflineModel counts them) over a
         token's pass through the layers (2 x their active parameters)."""
-        embeddings = self.vocab_size * self.hidden_size
-        layers = max(self.active_params - embeddings * (1 if self.tied_embeddings else 2), 1)
-        return 4 * self.num_layers * self.num_heads * self.head_dim / (2 * layers)
+        return 4 * self.num_layers * self.num_heads * self.head_dim / (2 * self.layer_active_params)
 
     @property
     def weight_bytes(self) -> int:
@@ -325,21 +328,20 @@ def _prior_rows(x: np.ndarray, y: np.ndarray, prior: ContextPrior | None) -> tup
     tied = _nonneg_lstsq(tied_x, y)
     sigma = _robust_sigma(y - x @ _nonneg_lstsq(x, y))
     rows = []
+
+    def tie(base: int, tied_to: int, to_ratio: float, deviation: float) -> None:
+        """A row for coefficient[tied_to] - to_ratio x coefficient[base] = 0, weighed sigma / deviation."""
+        row = np.zeros(x.shape[1])
+        w = sigma / deviation
+        row[base], row[tied_to] = -w * to_ratio, w
+        rows.append(row)
+
     if prior and tied[0] > 0:
-        row = np.zeros(x.shape[1])
-        w = sigma / (prior.spread * prior.ratio * tied[0])
-        row[A], row[C] = -w * prior.ratio, w
-        rows.append(row)
+        tie(A, C, prior.ratio, prior.spread * prior.ratio * tied[0])
     if tied[1] > 0 and x[:, E].any():
-        row = np.zeros(x.shape[1])
-        w = sigma / (max(SEQUENCE_SPREAD, 0.5 * per_sequence) * tied[1])
-        row[B], row[E] = -w * per_sequence, w
-        rows.append(row)
+        tie(B, E, per_sequence, max(SEQUENCE_SPREAD, 0.5 * per_sequence) * tied[1])
     if pair and tied[1] > 0 and x[:, D].any():
-        row = np.zeros(x.shape[1])
-        w = sigma / (PAIR_SPREAD * pair * tied[1])
-        row[B], row[D] = -w * pair, w
-        rows.append(row)
+        tie(B, D, pair, PAIR_SPREAD * pair * tied[1])
     return np.array(rows).reshape(-1, x.shape[1]), np.zeros(len(rows))
 
 
