@@ -33,7 +33,8 @@ import batchrun.job.eta as eta_module  # noqa: E402
 from batchrun.cpuinfo import cpu_model  # noqa: E402
 from batchrun.job import Job  # noqa: E402
 from batchrun.job.eta import WARMUP_STEPS  # noqa: E402
-from batchrun.stepmodel.costmodel import ContextPrior, StepShape  # noqa: E402
+from batchrun.stepmodel.costmodel import StepShape  # noqa: E402
+from batchrun.stepmodel.linear_fit import ContextPrior
 from batchrun.stepmodel.recent_fit import fit_recent  # noqa: E402
 
 BATCH_BINS = ((1, 8), (8, 16), (16, 24), (24, 10**9))

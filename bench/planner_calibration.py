@@ -4,7 +4,7 @@
                                         [--set engine.dtype=bfloat16] [--cpu-clock]
 
 1. `batchrun plan JOB --calibrate`'s path: a pilot of every k-th row (at most --pilot-fraction of the job), the
-   step-time fit (costmodel.fit_linear, as the job's ETA fits), and the whole job simulated over the real scheduler
+   step-time fit (linear_fit.fit_linear, as the job's ETA fits), and the whole job simulated over the real scheduler
    with it.
 2. The whole job through the job runner (into a fresh temporary output directory), every engine step's shape and
    time recorded.
@@ -32,7 +32,7 @@ from batchrun.job import Job
 from batchrun.job.spec import JobSpec
 from batchrun.planner.calibrate import WARMUP_STEPS, run_calibration
 from batchrun.planner.workload import load_workload, read_model_config
-from batchrun.stepmodel.costmodel import fit_linear
+from batchrun.stepmodel.linear_fit import fit_linear
 from batchrun.stepmodel.simulate import simulate, timeline
 from eta_accuracy import cpu_step_times
 

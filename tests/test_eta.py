@@ -19,7 +19,7 @@ from batchrun.job.bucketing import RowFeed
 from batchrun.job.eta import MIN_SMALL_STEPS, MIN_STEPS, Eta, EtaEstimator, deadline_verdict
 from batchrun.job.eta_band import Z90, fit_error
 from batchrun.sampling_params import SamplingParams
-from batchrun.stepmodel.costmodel import ContextPrior, fit_linear
+from batchrun.stepmodel.linear_fit import ContextPrior, fit_linear
 from batchrun.stepmodel.simulate import WorkItem, admission_keys, make_scheduler
 from jobkit import write_job, write_prompts
 

@@ -10,7 +10,7 @@ import pytest
 
 import batchrun.stepmodel.recent_fit as recent_fit
 from batchrun.engine.step_stats import StepShape
-from batchrun.stepmodel.costmodel import ATTENTION_SLOWDOWN, ContextPrior, fit_linear
+from batchrun.stepmodel.linear_fit import ATTENTION_SLOWDOWN, ContextPrior, fit_linear
 from batchrun.stepmodel.recent_fit import fit_recent
 from test_eta import SyntheticJob, prefill_law
 

@@ -17,7 +17,8 @@ from batchrun.planner.api import deadline_seconds
 from batchrun.planner.calibrate import calibrate, run_calibration
 from batchrun.planner.workload import Workload, load_workload, read_model_config
 from batchrun.stepmodel import catalog
-from batchrun.stepmodel.costmodel import ContextPrior, ModelSpec, RooflineModel, StepShape, fit_linear
+from batchrun.stepmodel.costmodel import ModelSpec, RooflineModel, StepShape
+from batchrun.stepmodel.linear_fit import ContextPrior, fit_linear
 from batchrun.stepmodel.simulate import WorkItem, simulate, timeline
 from jobkit import cli, write_job, write_prompts
 

@@ -2,7 +2,7 @@
 
 Each engine step the runner records the step's shape and time. Every so often the step-time model
 t = a + b x tokens + c x context + d x prefill pairs + e x sequences + g x [prefill in the step] (the fit
-`batchrun plan --calibrate` uses, costmodel.LinearModel) is refitted, recent
+`batchrun plan --calibrate` uses, linear_fit.LinearModel) is refitted, recent
 steps weighing more and checked on the most recent ones (stepmodel/recent_fit.py), and the work left is simulated
 over the real scheduler: the engine's running requests as they stand (their KV in the cache), its waiting ones, the
 rows read but not admitted, and the rows not read yet (prompt lengths drawn from the rows read so far, bucketed as
@@ -10,7 +10,7 @@ the feed will). Output lengths come from the rows finished so far, with the
 running ones and those cut by max_tokens as lower bounds (Kaplan-Meier), since outputs stop early and short ones
 finish first. While long prompts keep the KV pool full, the steps cannot tell a context token's cost from the
 step's own; the fit then leans on a prior from the bytes each reads, as it does for a sequence's cost against a
-step's own while every decode step is a full batch (costmodel.ContextPrior).
+step's own while every decode step is a full batch (linear_fit.ContextPrior).
 """
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ import numpy as np
 from batchrun.job.eta_band import (band, extrapolated_share, familiar_batch, fit_error, length_spread, step_spread,
                                    widen)
 from batchrun.job.output_lengths import KEEP, OutputLengths
-from batchrun.stepmodel.costmodel import ContextPrior, LinearModel, StepShape
+from batchrun.stepmodel.costmodel import StepShape
+from batchrun.stepmodel.linear_fit import ContextPrior, LinearModel
 from batchrun.stepmodel.recent_fit import TOLERANCE, fit_recent
 from batchrun.stepmodel.simulate import WorkItem, simulate, timeline
 

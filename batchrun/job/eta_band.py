@@ -19,7 +19,8 @@ import random
 import numpy as np
 
 from batchrun.job.output_lengths import OutputLengths
-from batchrun.stepmodel.costmodel import LinearModel, StepShape
+from batchrun.stepmodel.costmodel import StepShape
+from batchrun.stepmodel.linear_fit import LinearModel
 
 REPLICATES = 16        # bootstrap resamples of the finished rows
 Z90 = 1.2816           # the 90th percentile of a standard normal: p10-p90 is -+ Z90 sigma

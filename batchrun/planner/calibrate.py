@@ -1,5 +1,5 @@
 """Calibration: run a pilot of the job on this machine, fit t = a + b x tokens + c x sum(context) + d x prefill
-pairs + e x sequences + g x [prefill in the step] on its steps (costmodel.fit_linear, with the priors the job's ETA
+pairs + e x sequences + g x [prefill in the step] on its steps (linear_fit.fit_linear, with the priors the job's ETA
 uses), then predict the whole job by simulating it with the fitted model (same scheduler, same pool
 size)."""
 from __future__ import annotations
@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 from batchrun.job.spec import JobSpec
 from batchrun.planner.workload import Workload
-from batchrun.stepmodel.costmodel import ContextPrior, LinearModel, StepShape, fit_linear
+from batchrun.stepmodel.costmodel import StepShape
+from batchrun.stepmodel.linear_fit import ContextPrior, LinearModel, fit_linear
 from batchrun.stepmodel.simulate import WorkItem, simulate, timeline
 
 WARMUP_STEPS = 2   # the first steps pay one-off costs (allocation, kernel selection): not fitted

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from batchrun.stepmodel.costmodel import ContextPrior, LinearModel, StepShape, fit_linear
+from batchrun.stepmodel.costmodel import StepShape
+from batchrun.stepmodel.linear_fit import ContextPrior, LinearModel, fit_linear
 
 MIN_HALF_LIFE = 64      # steps
 HALF_LIFE_SHARE = 1 / 8
