@@ -20,6 +20,7 @@ from batchrun.engine.sampler import Sampler
 from batchrun.engine.scheduler import Lane, Scheduler, WaitingQueue, default_admission_key
 from batchrun.engine.step_stats import PhaseClock, StepShape, StepStats
 from batchrun.engine.step_threads import StepThreads
+from batchrun.engine.warm_up import warm_up
 from batchrun.engine.stop import StopRule
 from batchrun.models import cpu_gemm
 from batchrun.quant import formats as quant_formats
@@ -70,26 +71,12 @@ class Engine:
         self._rejected: list[Request] = []
         self._ids = itertools.count()
         self.step_threads: StepThreads | None = None   # set while serving on the CPU (LLM.start_background)
-        if getattr(self.model, "graph_compiled", False):
-            self._warm_up()
-
-    def _warm_up(self) -> None:
-        """Build the whole-model graph now rather than at the first real step: two short requests, one of them
-        after a cached prefix, through prefill and decode. Built at the first step, that step took 4.9 s (the
-        process's second engine) to 16 s (its first) of a 69 s bf16 SmolLM2 job on an Intel Xeon, counted as stepping
-        by the job's step record, its ETA (whose first estimate then came after 10 % of the run) and calibration."""
-        started = time.perf_counter()
-        vocab = self.hf_config.vocab_size
-        prefix = [(10 + i) % vocab for i in range(2 * self.config.block_size)]
-        for prompt in (prefix + [5 % vocab, 6 % vocab], prefix + [7 % vocab]):
-            self.add_request(prompt, SamplingParams(max_tokens=3, temperature=0))
-            while self.has_unfinished():
-                self.step()
-        self._ids = itertools.count()   # the warm-up's request ids, steps and cache hits are not the user's
-        self.stats = StepStats(kv_blocks_free=self.num_blocks)
-        for lane in self.scheduler.lanes:
-            lane.block_manager.prefix_hits = 0
-        log.info("forward graph compiled in %.1f s", time.perf_counter() - started)
+        if getattr(self.model, "graph_compiled", False):   # built now, not at the first real step
+            warm_up(self)
+            self._ids = itertools.count()   # the warm-up's request ids, steps and cache hits are not the user's
+            self.stats = StepStats(kv_blocks_free=self.num_blocks)
+            for lane in self.scheduler.lanes:
+                lane.block_manager.prefix_hits = 0
 
     def _build_lanes(self, admission_key) -> list[Lane]:
         """The batch lane, and the interactive lane's own pool when enabled; sizes logged for capacity planning."""
