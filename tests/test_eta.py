@@ -16,7 +16,7 @@ from batchrun.engine.request import Request
 from batchrun.engine.step_stats import StepShape
 from batchrun.job import Job, JobError, JobSpec
 from batchrun.job.bucketing import RowFeed
-from batchrun.job.eta import MIN_SMALL_STEPS, MIN_STEPS, Eta, EtaEstimator, deadline_verdict
+from batchrun.job.eta import MIN_STEPS, Eta, EtaEstimator, deadline_verdict
 from batchrun.job.eta_band import Z90, fit_error
 from batchrun.sampling_params import SamplingParams
 from batchrun.stepmodel.linear_fit import ContextPrior, fit_linear
@@ -165,38 +165,6 @@ def prefill_law(shape: StepShape) -> float:
     return 0.01 + 0.001 * shape.tokens + 2e-5 * shape.kv_tokens + 1e-6 * shape.prefill_pairs
 
 
-def test_full_prefill_chunks_alone_do_not_price_the_decode_steps_to_come():
-    # 8 rows of 300 prompt tokens and 100 output tokens. Fitted on the first steps (all full 64-token chunks), the
-    # three-term fit's c took the chunks' attention, and an estimate from that fit was 2.1x the time left. No
-    # estimate until smaller steps are recorded; the first one then is right.
-    step_time = prefill_law
-
-    job = SyntheticJob([100] * 8, [300] * 8, step_time=step_time)
-    estimate = None
-    while estimate is None:
-        job.step()
-        estimate = job.eta.estimate(job.scheduler, [])
-    sizes = [tokens for tokens, *_ in job.eta.steps]
-    assert len(sizes) > MIN_STEPS and sum(n <= max(sizes) / 2 for n in sizes) >= MIN_SMALL_STEPS
-    assert abs(estimate.seconds_left / job.time_to_finish() - 1) < 0.15
-
-
-def test_the_first_estimate_comes_with_the_first_small_steps_not_at_the_next_timer():
-    # A simulation while the record holds full prefill chunks alone gives no estimate; the next one came at the
-    # timer (a quarter of the run so far, >= 2 % of the run per simulation's cost), 5 s into a 56 s run of the
-    # sample at bf16. It now comes as soon as the record can price the small steps.
-    job = SyntheticJob([100] * 8, [300] * 8, step_time=prefill_law)
-    while len(job.eta.steps) < MIN_STEPS:
-        job.step()
-    assert job.eta.estimate(job.scheduler, []) is None
-    job.eta._next_simulation = float("inf")   # a timer that would wait for ever
-    while sum(n <= max(t for t, *_ in job.eta.steps) / 2 for n, *_ in job.eta.steps) < MIN_SMALL_STEPS:
-        assert job.eta.estimate(job.scheduler, []) is None
-        job.step()
-    estimate = job.eta.estimate(job.scheduler, [])
-    assert estimate is not None and abs(estimate.seconds_left / job.time_to_finish() - 1) < 0.15
-
-
 def test_the_fit_recovers_a_prefill_attention_term_the_three_term_fit_misprices():
     """Steps of a run with long prompts and decodes that follow a known law with a prefill-attention term: the fit
     recovers its four coefficients; without the fourth term, the same steps price the decode tail wrong."""
@@ -213,15 +181,6 @@ def test_the_fit_recovers_a_prefill_attention_term_the_three_term_fit_misprices(
         t for _, t in prefill) - 1
     # the old fit cannot follow the chunks: it drops them as stalls and prices them 8 % low (here)
     assert model.outliers == 0 and three.outliers >= len(prefill) // 2 and err < -0.05, (three.outliers, err)
-
-
-def test_a_job_of_full_prefill_chunks_alone_is_priced_from_them():
-    # one output token a row: every step is a full chunk, so those are the only steps to price
-    job = SyntheticJob([1] * 8, [600] * 8)
-    while len(job.eta.steps) < MIN_STEPS:
-        job.step()
-    estimate = job.eta.estimate(job.scheduler, [])
-    assert estimate is not None and abs(estimate.seconds_left / job.time_to_finish() - 1) < 0.05
 
 
 def test_the_estimate_falls_as_work_is_done():
