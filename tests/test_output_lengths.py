@@ -1,5 +1,6 @@
 """The ETA's output-length forecast (batchrun/job/output_lengths.py): running rows and rows cut by max_tokens are
-lower bounds (Kaplan-Meier), read by prompt-length class where a class has rows enough of its own."""
+lower bounds (Kaplan-Meier), read by prompt-length class where a class has rows enough of its own, and within a
+class from its rows nearest in prompt length."""
 from batchrun.job.output_lengths import OutputLengths
 
 
@@ -40,3 +41,20 @@ def test_a_class_with_rows_of_its_own_is_not_read_through_its_neighbours():
     lengths = OutputLengths([(40, 10, False)] * 3 + [(100, 30, True)] * 20)
     lengths.fit(running=[])
     assert lengths.expected(0, 200, 50) > 100
+
+
+def test_a_row_is_read_from_the_finished_rows_of_its_class_nearest_its_prompt_length():
+    # one class (32-63 prompt tokens), two tasks: prompts of 34 tokens run to 200, those of 40 stop at 10. The whole
+    # class would price either at 105.
+    lengths = OutputLengths([(34, 200, False)] * 20 + [(40, 10, False)] * 20)
+    lengths.fit(running=[])
+    assert lengths.expected(0, 256, 40) == 10 and lengths.expected(0, 256, 34) == 200
+    assert lengths.expected(0, 256, 41) == 10 and lengths.expected(0, 256, 33) == 200
+    # the running rows within the neighbours' prompt lengths are lower bounds among them: one of 40 tokens still
+    # running at 100 tokens of 21 rows
+    lengths.fit(running=[(40, 100)])
+    assert lengths.expected(0, 256, 40) == round((20 * 10 + 256) / 21)
+    # fewer finished rows in the class than NEIGHBOURS: the whole class
+    lengths = OutputLengths([(34, 200, False)] * 6 + [(40, 10, False)] * 6)
+    lengths.fit(running=[])
+    assert lengths.expected(0, 256, 40) == 105

@@ -2,6 +2,7 @@
 those cut by max_tokens as lower bounds (Kaplan-Meier), since outputs stop early and short ones finish first."""
 from __future__ import annotations
 
+import bisect
 from collections import deque
 
 import numpy as np
@@ -9,6 +10,7 @@ import numpy as np
 from batchrun.admission_order import PILOT_MIN_ROWS, length_class
 
 KEEP = 4096               # recent steps and finished lengths kept (and saved for a resumed run)
+NEIGHBOURS = 16           # finished rows of a row's class, nearest its prompt length, that its length is read from
 
 
 class KaplanMeier:
@@ -41,7 +43,14 @@ class OutputLengths:
     """Output lengths by prompt length (a question and an article to summarise stop at different points, and
     bucketing runs them at different times). Lengths in tokens, not as a share of max_tokens: a row with a large
     max_tokens is most often one that stops early, so a share would price it at what rows cut by a small max_tokens
-    did. Finished rows that stopped are observations; rows cut by max_tokens and running rows are censored ones."""
+    did. Finished rows that stopped are observations; rows cut by max_tokens and running rows are censored ones.
+
+    A row is read from the NEIGHBOURS finished rows of its prompt-length class (powers of two) nearest its prompt
+    length, once the class has that many: bucketing runs a class in prompt-length order, so the class's finished
+    rows are mostly those just shorter (or longer) than the rows left, and prompts a few tokens apart are often
+    different tasks (in the sample job, prompts of 34-36 tokens ran to 85-256 output tokens and those of 37-41 stopped
+    at 8-110: the whole class priced the rest of the class 13 % high). With fewer, the whole class's rows (with its
+    neighbours' while it has fewer than MIN_EVENTS), and with none, all rows."""
 
     MIN_EVENTS = PILOT_MIN_ROWS   # finished rows of a class (or it and its neighbours) for its own distribution
 
@@ -50,16 +59,15 @@ class OutputLengths:
         self.finished: deque[tuple[int, int, bool]] = deque(map(tuple, finished), maxlen=KEEP)
         self._all = KaplanMeier([], [])               # nothing observed yet: every row runs to max_tokens
         self._by_class: dict[int, KaplanMeier] = {}
+        self._sorted: list[tuple[int, int, bool]] = []  # the finished rows by prompt length
+        self._running: list[tuple[int, int]] = []
+        self._nearest: dict[tuple[int, int], KaplanMeier] = {}
 
     def fit(self, running: list[tuple[int, int]]) -> None:
         """running: (prompt tokens, tokens generated so far) of the rows in the engine."""
         finished = [(length_class(p), n, cut) for p, n, cut in self.finished]
         censored = [(length_class(p), n, True) for p, n in running]
-
-        def km(rows) -> KaplanMeier:
-            return KaplanMeier([n for _, n, cut in rows if not cut], [n for _, n, cut in rows if cut])
-
-        self._all = km(finished + censored)
+        self._all = _kaplan_meier(finished + censored)
         self._by_class = {}
         for c in {k for k, _, _ in finished}:
             # the class's own rows once there are enough: a neighbour's rows, often all cut by their max_tokens,
@@ -67,10 +75,45 @@ class OutputLengths:
             for reach in (0, 1):
                 near = [row for row in finished if abs(row[0] - c) <= reach]
                 if len(near) >= self.MIN_EVENTS:
-                    self._by_class[c] = km(near + [row for row in censored if abs(row[0] - c) <= reach])
+                    self._by_class[c] = _kaplan_meier(near + [row for row in censored if abs(row[0] - c) <= reach])
                     break
+        self._sorted, self._running, self._nearest = sorted(self.finished), sorted(running), {}
 
     def expected(self, generated: int, max_tokens: int, prompt_tokens: int) -> int:
         """Expected total output tokens of a row that has generated `generated` without stopping."""
-        km = self._by_class.get(length_class(prompt_tokens), self._all)
+        km = (self._nearest_rows(prompt_tokens) or self._by_class.get(length_class(prompt_tokens))
+              or self._all)
         return min(max_tokens, max(generated + 1, round(km.expected(generated, max_tokens))))
+
+    def _nearest_rows(self, prompt_tokens: int) -> KaplanMeier | None:
+        """The lengths of the NEIGHBOURS finished rows of the class nearest prompt_tokens (every row of the
+        window's edge lengths with them), and of the running rows within their prompt lengths; None while the class
+        has fewer finished rows."""
+        c = length_class(prompt_tokens)
+        first = bisect.bisect_left(self._sorted, (1 << (c - 1),)) if c > 1 else 0
+        end = bisect.bisect_left(self._sorted, (1 << c,))
+        if end - first < NEIGHBOURS:
+            return None
+        lo = hi = min(max(bisect.bisect_left(self._sorted, (prompt_tokens,)), first), end)
+        while hi - lo < NEIGHBOURS:
+            if hi == end or (lo > first and prompt_tokens - self._sorted[lo - 1][0]
+                             <= self._sorted[hi][0] - prompt_tokens):
+                lo -= 1
+            else:
+                hi += 1
+        while lo > first and self._sorted[lo - 1][0] == self._sorted[lo][0]:
+            lo -= 1
+        while hi < end and self._sorted[hi][0] == self._sorted[hi - 1][0]:
+            hi += 1
+        km = self._nearest.get((lo, hi))
+        if km is None:
+            rows = self._sorted[lo:hi]
+            shortest, longest = rows[0][0], rows[-1][0]
+            running = [(c, n, True) for p, n in self._running if shortest <= p <= longest]
+            km = self._nearest[lo, hi] = _kaplan_meier(rows + running)
+        return km
+
+
+def _kaplan_meier(rows) -> KaplanMeier:
+    """rows: (key, tokens generated, cut or still running)."""
+    return KaplanMeier([n for _, n, cut in rows if not cut], [n for _, n, cut in rows if cut])
