@@ -192,6 +192,22 @@ def test_the_estimate_falls_as_work_is_done():
     assert estimates == sorted(estimates, reverse=True) and estimates[-1] < 0.25 * estimates[0], estimates
 
 
+def test_the_runners_own_work_is_read_over_the_recent_fits():
+    # the runner's work at the start (reading and tokenizing rows): half a step's time more for each of the first
+    # 40 steps, none after. Read over the whole run, it would price every step to come 10 % high at step 200.
+    job = SyntheticJob([30] * 40, [8] * 40)
+    for i in range(200):
+        before = job.clock.t
+        job.step()
+        if i < 40:
+            job.clock.t += 0.5 * (job.clock.t - before)
+        if i % 10 == 9:
+            job.eta.estimate(job.scheduler, [])
+        if i == 39:
+            assert job.eta.overhead == pytest.approx(1.5, rel=0.02)
+    assert job.eta.overhead == pytest.approx(1.0, abs=1e-9)
+
+
 def test_a_resumed_estimator_starts_from_the_saved_steps():
     first = SyntheticJob([30] * 12, [10] * 12)
     first.run_until(4)
