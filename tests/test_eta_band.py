@@ -1,8 +1,9 @@
-"""The band's extrapolation term: the share of the time left spent in smaller batches than the recent steps had."""
+"""The band's extrapolation term: the share of the time left spent in smaller batches than the recent steps had, or
+at contexts outside their range."""
 import pytest
 
 from batchrun.engine.step_stats import StepShape
-from batchrun.job.eta_band import EXTRAPOLATION, RECENT_STEPS, band, extrapolated_share, familiar_batch, widen
+from batchrun.job.eta_band import EXTRAPOLATION, RECENT_STEPS, band, extrapolated_share, familiar_steps, widen
 
 
 def decode(seqs: int) -> StepShape:
@@ -12,11 +13,11 @@ def decode(seqs: int) -> StepShape:
 def test_the_drain_after_full_batches_widens_the_step_side():
     # the ramp-up's small batches are older than the recent steps; lately every step held 32 or 31 sequences
     record = [decode(n) for n in range(1, 32)] + [decode(32 - i % 2) for i in range(RECENT_STEPS)]
-    assert familiar_batch(record) == 31
+    assert familiar_steps(record).seqs == 31
     # the simulated rest: full batches for half the time, then a drain of 8 down to 1 sequence for the other half
     trace = [decode(32)] * 4 + [decode(n) for n in range(8, 0, -1)]
     times = [1.0] * 4 + [0.5] * 8
-    share = extrapolated_share(trace, times, familiar_batch(record))
+    share = extrapolated_share(trace, times, familiar_steps(record))
     assert share == pytest.approx(0.5)
     low, high = widen((0.95, 1.05), share)
     assert (low, high) == pytest.approx((0.95 - EXTRAPOLATION / 2, 1.05 + EXTRAPOLATION / 2))
@@ -27,6 +28,15 @@ def test_the_drain_after_full_batches_widens_the_step_side():
 def test_nothing_left_beyond_the_batches_seen_leaves_the_band_alone():
     record = [decode(n) for n in (4, 8, 16, 32) * 10]
     trace, times = [decode(n) for n in (32, 16, 8, 4)], [1.0, 0.8, 0.6, 0.5]
-    assert extrapolated_share(trace, times, familiar_batch(record)) == 0.0
+    assert extrapolated_share(trace, times, familiar_steps(record)) == 0.0
     assert widen((0.9, 1.1), 0.0) == (0.9, 1.1)
-    assert extrapolated_share([], [], 8) == 0.0
+    assert extrapolated_share([], [], familiar_steps(record)) == 0.0
+
+
+def test_contexts_beyond_the_recent_steps_range_widen_the_step_side():
+    # shortest prompts first: lately every step read 3,000-3,900 context tokens; the rows left read 5,000
+    record = [StepShape(32, 32, 3000 + i % 10 * 100, 0) for i in range(RECENT_STEPS)]
+    familiar = familiar_steps(record)
+    assert (familiar.seqs, familiar.context_low, familiar.context_high) == (32, 3000, 3900)
+    trace = [StepShape(32, 32, 3500, 0)] * 3 + [StepShape(32, 32, 5000, 0)] + [StepShape(32, 32, 2000, 0)]
+    assert extrapolated_share(trace, [1.0] * 5, familiar) == pytest.approx(0.4)

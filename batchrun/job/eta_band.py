@@ -7,14 +7,16 @@
   the fit's error on steps it had not seen (fit_error: the held-out misses of recent fits, recent_fit).
 
 The two are taken as independent and added in quadrature, each side separately. Then the share of the time left
-that the simulation spends in smaller batches than any recent step (the drain at the job's end: extrapolated_share)
-widens the step model's side by EXTRAPOLATION each way: recent steps cannot tell how well the fit prices those.
+that the simulation spends in steps unlike the recent ones (smaller batches, as in the drain at the job's end, or
+contexts outside the recent steps' range, as bucketing's later rows read: extrapolated_share) widens the step
+model's side by EXTRAPOLATION each way: recent steps cannot tell how well the fit prices those.
 """
 from __future__ import annotations
 
 import functools
 import math
 import random
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -28,7 +30,9 @@ STEP_BLOCK = 20        # consecutive steps per block of the step model's error
 RECENT_STEPS = 400     # the steps the model's error is read from
 # How far a fit that priced the recent steps well priced the drain that followed (smaller batches than it had seen
 # lately): 8-15 % in bench/eta_accuracy.py, both orders and dtypes (Intel Xeon, CPU clock); the band's misses at
-# 75 % of a run were all such, while recent steps agreed with the fit.
+# 75 % of a run were all such, while recent steps agreed with the fit. Decode steps of a larger context than the
+# fit had seen: a fit at 50-130 s of a 1,000-row bf16 job, shortest first, priced the decode steps of 20-50k
+# context tokens that followed 6-15 % high (a context token costs less in long sequences than in short ones).
 EXTRAPOLATION = 0.15
 
 
@@ -77,16 +81,31 @@ def step_spread(model: LinearModel, shapes: list[StepShape], times: list[float],
     return min(low, 1 - abs(miss)), max(high, 1 + abs(miss))
 
 
-def familiar_batch(shapes: list[StepShape]) -> int:
-    """The smallest batch (sequences) among the recent steps, their 5th percentile (a stray small step aside)."""
-    recent = [shape.seqs for shape in shapes[-RECENT_STEPS:]]
-    return int(np.quantile(recent, 0.05)) if recent else 0
+@dataclass(frozen=True)
+class Familiar:
+    """The steps the recent ones tell the fit's price of: at least `seqs` sequences, and a context (KV tokens read)
+    within [context_low, context_high]. Each bound is the recent steps' 5th or 95th percentile (a stray step aside)."""
+    seqs: int = 0
+    context_low: float = 0.0
+    context_high: float = math.inf
+
+    def knows(self, shape: StepShape) -> bool:
+        return shape.seqs >= self.seqs and self.context_low <= shape.kv_tokens <= self.context_high
 
 
-def extrapolated_share(shapes: list[StepShape], step_times: list[float], familiar: int) -> float:
-    """The share of the simulated time left in steps of fewer sequences than `familiar` (familiar_batch)."""
+def familiar_steps(shapes: list[StepShape]) -> Familiar:
+    recent = shapes[-RECENT_STEPS:]
+    if not recent:
+        return Familiar()
+    contexts = [shape.kv_tokens for shape in recent]
+    return Familiar(int(np.quantile([shape.seqs for shape in recent], 0.05)), float(np.quantile(contexts, 0.05)),
+                    float(np.quantile(contexts, 0.95)))
+
+
+def extrapolated_share(shapes: list[StepShape], step_times: list[float], familiar: Familiar) -> float:
+    """The share of the simulated time left in steps unlike the recent ones (familiar_steps)."""
     total = sum(step_times)
-    unfamiliar = sum(t for shape, t in zip(shapes, step_times) if shape.seqs < familiar)
+    unfamiliar = sum(t for shape, t in zip(shapes, step_times) if not familiar.knows(shape))
     return unfamiliar / total if total > 0 else 0.0
 
 
