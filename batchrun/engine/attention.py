@@ -12,7 +12,9 @@ from batchrun.kernels import cpu_attention, reference
 class TorchAttentionBackend:
     """Decodes: on CPU the compiled kernel (batchrun/kernels/cpu_attention.py) over all decode requests at once, reading the
     paged pool in place; without it, the pure-torch path vectorised over groups of similar context length (so
-    padding stays small). Prefill chunks one request at a time (few per step)."""
+    padding stays small). Prefill chunks one request at a time (few per step): with a bfloat16 cache on a CPU with
+    AMX, the kernel's flash attention over the paged blocks; otherwise torch's SDPA (over the fresh K/V, or a
+    gathered copy after a cached prefix)."""
 
     name = "torch"
 
@@ -42,8 +44,13 @@ class TorchAttentionBackend:
             out[group.start:group.end] = reference.paged_decode_attention(
                 query[group.start:group.end], k, v, group.block_tables, group.context_lens, scale, k_scale, v_scale,
                 group.max_len, self.workspace, window, softcap)
+        in_place = meta.prefills and self.kernel is not None and cpu_attention.prefill_supported(query, k)
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+            if in_place:   # a bfloat16 cache on AMX tiles, over the paged blocks with or without a cached prefix
+                out[rows] = cpu_attention.paged_prefill_attention(query[rows], k, v, chunk.block_table,
+                                                                  chunk.context_len, scale, window, softcap)
+                continue
             if chunk.query_len == chunk.context_len and k.dtype == key.dtype:
                 # Nothing cached before the chunk and the cache stores K/V as computed: the fresh K/V are exactly
                 # what a gather would read back, without the copy.
