@@ -75,7 +75,8 @@ void decode_attention_amx(const at::BFloat16* q_ptr, const at::BFloat16* k_ptr, 
     const int64_t qheads = task_heads * group;
     // Q^T per KV head: [word][dim pair][query head] pairs of bfloat16, the B operand of the score product
     std::vector<uint32_t> q_pairs(task_heads * kWords * kTileRows * group);
-    std::vector<float> acc(qheads * DIM), top(qheads), total(qheads), ordered(DIM), scores(kStep * group);
+    std::vector<float> acc(qheads * DIM), top(qheads), ordered(DIM), scores(kStep * group);
+    std::vector<Vec> sums(qheads);   // the softmax's running sums in 16 lanes: one reduction per request
     alignas(64) float part[2 * kTileRows * kTileRows];
     alignas(64) at::BFloat16 probs[kTileRows * kStep];
     alignas(64) __m512i v_pairs[kStep / 2 * kVecs];
@@ -94,7 +95,7 @@ void decode_attention_amx(const at::BFloat16* q_ptr, const at::BFloat16* k_ptr, 
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(top.begin(), top.end(), -std::numeric_limits<float>::infinity());
-      std::fill(total.begin(), total.end(), 0.f);
+      std::fill(sums.begin(), sums.end(), Vec(0.f));
       const int64_t* table = tables + b * width;
       for (int64_t start = lo / kStep * kStep; start < end_pos; start += kStep) {
         // positions start + [first, last) are in the context (and the window); the others of the 32 are masked.
@@ -141,10 +142,11 @@ void decode_attention_amx(const at::BFloat16* q_ptr, const at::BFloat16* k_ptr, 
             s1 = Vec(_mm512_mask_blend_ps(static_cast<__mmask16>(valid), neg_inf, s1));
             s2 = Vec(_mm512_mask_blend_ps(static_cast<__mmask16>(valid >> kTileRows), neg_inf, s2));
             const float new_top = std::max(top[qh], at::vec::maximum(s1, s2).reduce_max());
-            const Vec p1 = (s1 - Vec(new_top)).exp(), p2 = (s2 - Vec(new_top)).exp();
+            // exp_u20 (20 ulp, as torch's CPU flash attention uses): P is rounded to bfloat16 next
+            const Vec p1 = (s1 - Vec(new_top)).exp_u20(), p2 = (s2 - Vec(new_top)).exp_u20();
             rescale[g] = std::exp(top[qh] - new_top);   // 0 on the first positions (top = -inf)
             top[qh] = new_top;
-            total[qh] = total[qh] * rescale[g] + (p1 + p2).reduce_add();
+            sums[qh] = at::vec::fmadd(sums[qh], Vec(rescale[g]), p1 + p2);
             _mm512_store_si512(probs + g * kStep, (__m512i)_mm512_cvtne2ps_pbh(p2, p1));
           }
           _tile_loadd(BATCHRUN_PROBS_TILE, probs, 2 * kStep);
@@ -171,7 +173,7 @@ void decode_attention_amx(const at::BFloat16* q_ptr, const at::BFloat16* k_ptr, 
         const float* a = acc.data() + qh * DIM;
         for (int64_t i = 0; i < DIM; ++i) ordered[bf16_slot(i)] = a[i];
         at::BFloat16* o = out_ptr + (b * heads + h_lo * group + qh) * DIM;
-        const float inv = 1.f / total[qh];
+        const float inv = 1.f / sums[qh].reduce_add();
         for (int64_t d = 0; d < DIM; d += kLanes) store_float(Vec::loadu(ordered.data() + d) * Vec(inv), o + d);
       }
     }
