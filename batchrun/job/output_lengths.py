@@ -49,8 +49,9 @@ class OutputLengths:
     length, once the class has that many: bucketing runs a class in prompt-length order, so the class's finished
     rows are mostly those just shorter (or longer) than the rows left, and prompts a few tokens apart are often
     different tasks (in the sample job, prompts of 34-36 tokens ran to 85-256 output tokens and those of 37-41 stopped
-    at 8-110: the whole class priced the rest of the class 13 % high). With fewer, the whole class's rows (with its
-    neighbours' while it has fewer than MIN_EVENTS), and with none, all rows."""
+    at 8-110: read as a whole, the class put the 1,000-row bench job's tokens left 11-15 % high at a quarter of the
+    run). With fewer, the whole class's rows (with its neighbours' while it has fewer than MIN_EVENTS), and with
+    none, all rows."""
 
     MIN_EVENTS = PILOT_MIN_ROWS   # finished rows of a class (or it and its neighbours) for its own distribution
 
