@@ -33,13 +33,10 @@ def test_nothing_left_beyond_the_batches_seen_leaves_the_band_alone():
     assert extrapolated_share([], [], familiar_steps(record)) == 0.0
 
 
-def test_contexts_beyond_the_recent_steps_range_widen_the_step_side_by_their_distance():
-    # shortest prompts first: lately every step read 3,000-3,900 context tokens; of the rows left, steps at 4,680
-    # tokens (1.2x the range's top) count 0.2, at 7,800 (2x) and beyond fully, at 2,000 (3,000 / 2,000 = 1.5) 0.5
+def test_contexts_beyond_the_recent_steps_range_widen_the_step_side():
+    # shortest prompts first: lately every step read 3,000-3,900 context tokens; the rows left read 5,000
     record = [StepShape(32, 32, 3000 + i % 10 * 100, 0) for i in range(RECENT_STEPS)]
     familiar = familiar_steps(record)
     assert (familiar.seqs, familiar.context_low, familiar.context_high) == (32, 3000, 3900)
-    contexts = [3500, 4680, 7800, 20000, 2000]
-    assert [familiar.distance(StepShape(32, 32, c, 0)) for c in contexts] == pytest.approx([0, 0.2, 1, 1, 0.5])
-    trace = [StepShape(32, 32, c, 0) for c in contexts]
-    assert extrapolated_share(trace, [1.0] * 5, familiar) == pytest.approx((0.2 + 1 + 1 + 0.5) / 5)
+    trace = [StepShape(32, 32, 3500, 0)] * 3 + [StepShape(32, 32, 5000, 0)] + [StepShape(32, 32, 2000, 0)]
+    assert extrapolated_share(trace, [1.0] * 5, familiar) == pytest.approx(0.4)

@@ -8,9 +8,8 @@
 
 The two are taken as independent and added in quadrature, each side separately. Then the share of the time left
 that the simulation spends in steps unlike the recent ones (smaller batches, as in the drain at the job's end, or
-contexts outside the recent steps' range, as bucketing's later rows read, weighted by how far outside:
-extrapolated_share) widens the step model's side by EXTRAPOLATION each way: recent steps cannot tell how well the
-fit prices those.
+contexts outside the recent steps' range, as bucketing's later rows read: extrapolated_share) widens the step
+model's side by EXTRAPOLATION each way: recent steps cannot tell how well the fit prices those.
 """
 from __future__ import annotations
 
@@ -90,17 +89,8 @@ class Familiar:
     context_low: float = 0.0
     context_high: float = math.inf
 
-    def distance(self, shape: StepShape) -> float:
-        """How far the fit extrapolates to price the step, 0 (familiar) to 1: 1 for a smaller batch (the drain's
-        steps were priced 8-15 % off whatever their size); for a context outside the range, its ratio to the nearer
-        bound less 1, so that a step at 1.2x the recent contexts counts 0.2 and one at 2x or more counts fully."""
-        if shape.seqs < self.seqs:
-            return 1.0
-        if shape.kv_tokens > self.context_high:
-            return min(1.0, shape.kv_tokens / self.context_high - 1)
-        if shape.kv_tokens < self.context_low:
-            return min(1.0, self.context_low / max(shape.kv_tokens, 1) - 1)
-        return 0.0
+    def knows(self, shape: StepShape) -> bool:
+        return shape.seqs >= self.seqs and self.context_low <= shape.kv_tokens <= self.context_high
 
 
 def familiar_steps(shapes: list[StepShape]) -> Familiar:
@@ -113,9 +103,9 @@ def familiar_steps(shapes: list[StepShape]) -> Familiar:
 
 
 def extrapolated_share(shapes: list[StepShape], step_times: list[float], familiar: Familiar) -> float:
-    """The share of the simulated time left in steps unlike the recent ones, each weighted by its distance."""
+    """The share of the simulated time left in steps unlike the recent ones (familiar_steps)."""
     total = sum(step_times)
-    unfamiliar = sum(t * familiar.distance(shape) for shape, t in zip(shapes, step_times))
+    unfamiliar = sum(t for shape, t in zip(shapes, step_times) if not familiar.knows(shape))
     return unfamiliar / total if total > 0 else 0.0
 
 
