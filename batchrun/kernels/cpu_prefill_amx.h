@@ -14,8 +14,8 @@
 //   bfloat16 as flash attention does; out [16, DIM] += P [16, 64] x V [64, DIM], 16 dimensions a product.
 // What the engine ran before: torch's SDPA over the chunk's fresh K/V, or over a gathered copy of the context after
 // a cached prefix. bench/prefill_attention.py, one thread of an Intel Xeon (AMX), SmolLM2's heads (9/3): a 355-token
-// prompt 1.31 -> 0.77 ms, 1,024 tokens 5.15 -> 4.42 ms, 512 new after 1,536 cached 9.59 -> 7.22 ms. The per-row
-// softmax, not the tiles, is most of the time.
+// prompt 1.31 -> 0.77 ms, 1,024 tokens 5.15 -> 4.42 ms, 512 new after 1,536 cached 9.59 -> 7.22 ms. By instruction
+// counts (not profiled) the per-row softmax, not the tile products, takes most of a step.
 #pragma once
 
 #include <algorithm>
