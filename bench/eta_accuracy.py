@@ -151,6 +151,11 @@ def errors_at(records: list, wall: float, tokens: int) -> dict:
     return out
 
 
+def cycled_max_tokens(row: int) -> int:
+    """Row `row`'s max_tokens in a --rows job: 16-256 by a fixed pattern (bench/length_replay.py replays the same)."""
+    return 16 * (1 + (row * 7) % 16)
+
+
 def cycled_input(job: str, rows: int, directory: str) -> str:
     """`rows` rows cycled from the job's input, ids unique and max_tokens varied, as a Parquet file."""
     spec = JobSpec.from_yaml(job)
@@ -161,7 +166,7 @@ def cycled_input(job: str, rows: int, directory: str) -> str:
                          pa.array([f"r{i}" for i in range(rows)]))
     if spec.input.max_tokens_column:
         out = out.set_column(out.schema.get_field_index(spec.input.max_tokens_column), spec.input.max_tokens_column,
-                             pa.array([16 * (1 + (i * 7) % 16) for i in range(rows)], pa.int32()))
+                             pa.array([cycled_max_tokens(i) for i in range(rows)], pa.int32()))
     path = os.path.join(directory, "input.parquet")
     pq.write_table(out, path)
     return path

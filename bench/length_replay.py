@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 from batchrun.admission_order import window_order
 from batchrun.job import Job, JobSpec
 from batchrun.job.output_lengths import OutputLengths
+from eta_accuracy import cycled_max_tokens   # bench/ is on the path when this script runs
 
 JOB, RUNNING = "jobs/demo.yaml", 32
 
@@ -82,7 +83,7 @@ def main() -> None:
     rows = []
     for i in range(args.rows):
         prompt, length = natural[i % len(natural)]
-        most = own[i].as_py() if args.rows == len(natural) else 16 * (1 + (i * 7) % 16)
+        most = own[i].as_py() if args.rows == len(natural) else cycled_max_tokens(i)
         rows.append((prompt, most, most if length is None else min(length, most)))
     for longest_first in (False, True):
         errors = replay(rows, longest_first)

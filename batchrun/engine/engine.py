@@ -20,8 +20,8 @@ from batchrun.engine.sampler import Sampler
 from batchrun.engine.scheduler import Lane, Scheduler, WaitingQueue, default_admission_key
 from batchrun.engine.step_stats import PhaseClock, StepShape, StepStats
 from batchrun.engine.step_threads import StepThreads
-from batchrun.engine.warm_up import warm_up
 from batchrun.engine.stop import StopRule
+from batchrun.engine.warm_up import warm_up
 from batchrun.models import cpu_gemm
 from batchrun.quant import formats as quant_formats
 from batchrun.sampling_params import SamplingParams, sample_seed
