@@ -64,7 +64,8 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache, 
   constexpr bool kDots = batchrun::kBf16Dots && std::is_same_v<T, at::BFloat16> && std::is_same_v<Q, at::BFloat16> &&
                          DIM > 0 && DIM % 32 == 0;
   const Vec score_scale(kDots ? static_cast<float>(scale) : 1.f);   // otherwise folded into the float query
-  if constexpr (kDots && batchrun::kAmx && DIM % 64 == 0) {   // the scores on AMX tiles, where the CPU has them
+#if BATCHRUN_AMX_BUILD   // (the AMX names exist only in such a build: a discarded branch still looks them up)
+  if constexpr (kDots && DIM % 64 == 0) {   // the scores on AMX tiles, where the CPU has them
     if (batchrun::amx_ready() && block_size % batchrun::kTileRows == 0 && group <= batchrun::kTileRows) {
       return batchrun::decode_attention_amx<DIM>(
           reinterpret_cast<const at::BFloat16*>(q_ptr), reinterpret_cast<const at::BFloat16*>(k_ptr),
@@ -72,6 +73,7 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache, 
           static_cast<float>(scale), window, cap, reinterpret_cast<at::BFloat16*>(out_ptr));
     }
   }
+#endif
   const batchrun::TaskPlan plan = batchrun::balance_tasks(lens, batch, kv_heads, window);
   const int64_t split = plan.split, task_heads = kv_heads / split;
 
@@ -313,6 +315,7 @@ torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor k_cache
   TORCH_CHECK(rows <= context_len && (context_len + k_cache.size(1) - 1) / k_cache.size(1) <= block_table.size(0),
               "context_len: more positions than the chunk and its block table hold");
   auto out = torch::empty_like(query);
+#if BATCHRUN_AMX_BUILD
   auto run = [&](auto kernel) {
     kernel(query.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
            block_table.data_ptr<int64_t>(), rows, context_len, heads, kv_heads, k_cache.size(1),
@@ -328,6 +331,7 @@ torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor k_cache
     default:
       TORCH_CHECK(false, "prefill attention on AMX: head_dim 64 or 128, got ", dim);
   }
+#endif
   return out;
 }
 
