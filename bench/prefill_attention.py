@@ -1,11 +1,12 @@
-"""Prefill attention at bfloat16: the AMX kernel over the paged blocks against what the engine ran before, torch's
-SDPA over the chunk's fresh K/V (no cached prefix) or over a gathered copy of the context (after a prefix).
+"""Prefill attention at bfloat16: the kernels over the paged blocks (AVX512-BF16 dot products; AMX tiles where the
+CPU has them) against what the engine runs without them, torch's SDPA over the chunk's fresh K/V (no cached prefix)
+or over a gathered copy of the context (after a prefix).
 
     python bench/prefill_attention.py [--threads 1] [--repeats 20]
 
 SmolLM2-135M's heads (9 query / 3 KV, head_dim 64) and a ~0.3B Llama's (16 / 4, head_dim 64), block size 16, one
-chunk per call as the engine calls it. Prints the CPU model and flags, ms per call (median of --repeats) and the
-speedup; a chunk's output is checked against the float32 reference first.
+chunk per call as the engine calls it. Prints the CPU model and flags, ms per call (median of --repeats) and each
+kernel's speedup; a chunk's output is checked against the float32 reference first.
 """
 from __future__ import annotations
 
@@ -42,8 +43,10 @@ def main() -> None:
     print(f"{cpu_model()}; {flags}; {args.threads} thread(s)")
     probe = torch.zeros(1, 3, 64, dtype=torch.bfloat16)
     if not cpu_attention.prefill_supported(probe[:, :3], probe):
-        raise SystemExit("the AMX prefill kernel does not run here (no AMX-BF16, or no C++ toolchain)")
-    print(f"{'heads':>8} {'new':>5} {'context':>7} {'before ms':>10} {'kernel ms':>10} {'speedup':>8}")
+        raise SystemExit("the prefill kernels do not run here (no AVX512-BF16, or no C++ toolchain)")
+    paths = {"vector": False, "tiles": True} if cpu_attention.load().prefill_amx_ready() else {"vector": False}
+    print(f"{'heads':>8} {'new':>5} {'context':>7} {'SDPA ms':>10}"
+          + "".join(f" {name + ' ms':>10} {'speedup':>8}" for name in paths))
     for name, (heads, kv_heads, dim) in SHAPES.items():
         for rows, context in CHUNKS:
             gen = torch.Generator().manual_seed(rows + context)
@@ -53,9 +56,10 @@ def main() -> None:
             table = torch.randperm(2 * blocks, generator=gen)[:blocks]
             query = torch.randn(rows, heads, dim, generator=gen).bfloat16()
             scale = dim ** -0.5
-            got = cpu_attention.paged_prefill_attention(query, k, v, table, context, scale)
             want = reference.paged_prefill_attention(query.float(), k.float(), v.float(), table, context, scale)
-            torch.testing.assert_close(got.float(), want.bfloat16().float(), rtol=2e-2, atol=2e-2)
+            for tiles in paths.values():
+                got = cpu_attention.paged_prefill_attention(query, k, v, table, context, scale, tiles=tiles)
+                torch.testing.assert_close(got.float(), want.bfloat16().float(), rtol=2e-2, atol=2e-2)
             if rows == context:   # the engine's path without a prefix: SDPA over the fresh K/V
                 key, value = (reference.gather_kv(c, None, table[None], context, torch.bfloat16)[0]
                               .transpose(0, 1).contiguous() for c in (k, v))
@@ -63,9 +67,12 @@ def main() -> None:
             else:
                 before = timed(lambda: reference.paged_prefill_attention(query, k, v, table, context, scale),
                                args.repeats)
-            after = timed(lambda: cpu_attention.paged_prefill_attention(query, k, v, table, context, scale),
-                          args.repeats)
-            print(f"{name:>8} {rows:>5} {context:>7} {before:>10.2f} {after:>10.2f} {before / after:>7.2f}x")
+            line = f"{name:>8} {rows:>5} {context:>7} {before:>10.2f}"
+            for tiles in paths.values():
+                after = timed(lambda: cpu_attention.paged_prefill_attention(query, k, v, table, context, scale,
+                                                                            tiles=tiles), args.repeats)
+                line += f" {after:>10.2f} {before / after:>7.2f}x"
+            print(line)
 
 
 if __name__ == "__main__":

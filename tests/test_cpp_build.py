@@ -3,6 +3,8 @@ with a warning, and the kernel tests skip: without this test a kernel that build
 `if constexpr` branch still looks up the AMX names) slowed every other CPU and failed nothing."""
 import os
 import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -17,3 +19,25 @@ KERNELS = {"cpu_attention": cpu_attention._kernel, "rotate_quant": rotate_quant.
 @pytest.mark.parametrize("name", sorted(KERNELS))
 def test_kernel_builds_on_this_cpu(name):
     assert KERNELS[name].load() is not None, f"{name} failed to build here: see the log's build error"
+
+
+# Other CPUs' builds (compiled, not run): the three code paths the kernels choose between at compile time.
+TARGETS = {"avx2": ("haswell", "AVX2"), "avx512": ("skylake-avx512", "AVX512"), "amx": ("sapphirerapids", "AVX512")}
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler here")
+def test_attention_kernel_compiles_for_other_cpus():
+    """cpu_attention.cpp for an AVX2 CPU, an AVX-512 one without BF16, and one with AMX (g++ -fsyntax-only with
+    each -march and the CPU_CAPABILITY macro cpp_build.py would pass), whatever this machine is."""
+    import sysconfig
+
+    from torch.utils import cpp_extension
+    source = Path(cpu_attention.__file__).with_name("cpu_attention.cpp")
+    includes = [f"-I{path}" for path in [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]]
+    runs = {name: subprocess.Popen(
+        [os.environ.get("CXX", "c++"), "-fsyntax-only", "-std=c++20", f"-march={march}", "-fopenmp",
+         f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}", "-DTORCH_EXTENSION_NAME=check",
+         *includes, str(source)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for name, (march, capability) in TARGETS.items()}
+    failed = {name: run.communicate()[0][-2000:] for name, run in runs.items() if run.wait() != 0}
+    assert not failed, failed

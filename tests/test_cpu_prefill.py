@@ -1,5 +1,6 @@
-"""The CPU prefill-attention kernel on AMX tiles (batchrun/kernels/cpu_prefill_amx.h) against the float32 reference:
-a chunk of one request's rows over its paged context, with and without a cached prefix, a window and a softcap."""
+"""The CPU prefill-attention kernels (batchrun/kernels/cpu_prefill.h on AVX512-BF16, cpu_prefill_amx.h on AMX tiles)
+against the float32 reference: a chunk of one request's rows over its paged context, with and without a cached
+prefix, a window and a softcap. Each path runs where the CPU has it (an AMX CPU runs both)."""
 import pytest
 import torch
 
@@ -9,9 +10,16 @@ from batchrun.kernels import cpu_attention, reference
 @pytest.fixture(scope="module")
 def kernel():
     module = cpu_attention.load()
-    if module is None or not module.prefill_amx_ready():
-        pytest.skip("no AMX-BF16 here (or no C++ toolchain): prefill chunks run on torch's SDPA")
+    if module is None or not module.prefill_ready():
+        pytest.skip("no AVX512-BF16 here (or no C++ toolchain): prefill chunks run on torch's SDPA")
     return module
+
+
+@pytest.fixture(params=[False, True], ids=["vector", "tiles"])
+def tiles(request, kernel):
+    if request.param and not kernel.prefill_amx_ready():
+        pytest.skip("no AMX-BF16 tiles here")
+    return request.param
 
 
 def paged(context_len, block_size, kv_heads, head_dim, seed):
@@ -30,11 +38,11 @@ def paged(context_len, block_size, kv_heads, head_dim, seed):
 
 @pytest.mark.parametrize("rows,context_len", [(1, 1), (17, 17), (40, 100), (355, 355), (33, 1000), (64, 64)])
 @pytest.mark.parametrize("block_size,kv_heads,group,head_dim", [(16, 3, 3, 64), (32, 1, 16, 128), (16, 2, 1, 64)])
-def test_prefill_matches_reference(kernel, rows, context_len, block_size, kv_heads, group, head_dim):
+def test_prefill_matches_reference(tiles, rows, context_len, block_size, kv_heads, group, head_dim):
     k, v, table = paged(context_len, block_size, kv_heads, head_dim, seed=rows + context_len)
     query = torch.randn(rows, kv_heads * group, head_dim, generator=torch.Generator().manual_seed(1)).bfloat16()
     scale = head_dim ** -0.5
-    got = cpu_attention.paged_prefill_attention(query, k, v, table, context_len, scale)
+    got = cpu_attention.paged_prefill_attention(query, k, v, table, context_len, scale, tiles=tiles)
     want = reference.paged_prefill_attention(query.float(), k.float(), v.float(), table, context_len, scale)
     assert got.dtype == torch.bfloat16 and not got.isnan().any()
     torch.testing.assert_close(got.float(), want.bfloat16().float(), rtol=2e-2, atol=2e-2)
@@ -42,16 +50,16 @@ def test_prefill_matches_reference(kernel, rows, context_len, block_size, kv_hea
 
 @pytest.mark.parametrize("window,softcap", [(37, None), (None, 5.0), (20, 3.0), (1, None)])
 @pytest.mark.parametrize("rows,context_len", [(50, 50), (30, 130)])
-def test_prefill_window_and_softcap(kernel, window, softcap, rows, context_len):
+def test_prefill_window_and_softcap(tiles, window, softcap, rows, context_len):
     k, v, table = paged(context_len, 16, 3, 64, seed=7)
     query = torch.randn(rows, 9, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
-    got = cpu_attention.paged_prefill_attention(query, k, v, table, context_len, 0.125, window, softcap)
+    got = cpu_attention.paged_prefill_attention(query, k, v, table, context_len, 0.125, window, softcap, tiles)
     want = reference.paged_prefill_attention(query.float(), k.float(), v.float(), table, context_len, 0.125,
                                              window=window, softcap=softcap)
     torch.testing.assert_close(got.float(), want.bfloat16().float(), rtol=2e-2, atol=2e-2)
 
 
-def test_prefill_same_output_on_any_thread_count(kernel):
+def test_prefill_same_output_on_any_thread_count(tiles):
     """Tasks (16 rows with all their heads, or one head) are dealt out by the positions they read; each row's
     output is the same bit for bit however many threads share them."""
     k, v, table = paged(300, 16, 3, 64, seed=3)
@@ -61,7 +69,7 @@ def test_prefill_same_output_on_any_thread_count(kernel):
         outs = []
         for n in (1, 2, 3):
             torch.set_num_threads(n)
-            outs.append(cpu_attention.paged_prefill_attention(query, k, v, table, 300, 0.125))
+            outs.append(cpu_attention.paged_prefill_attention(query, k, v, table, 300, 0.125, tiles=tiles))
     finally:
         torch.set_num_threads(threads)
     for out in outs[1:]:

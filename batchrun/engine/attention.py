@@ -13,8 +13,8 @@ class TorchAttentionBackend:
     """Decodes: on CPU the compiled kernel (batchrun/kernels/cpu_attention.py) over all decode requests at once, reading the
     paged pool in place; without it, the pure-torch path vectorised over groups of similar context length (so
     padding stays small). Prefill chunks one request at a time (few per step): with a bfloat16 cache on a CPU with
-    AMX, the kernel's flash attention over the paged blocks; otherwise torch's SDPA (over the fresh K/V, or a
-    gathered copy after a cached prefix)."""
+    AVX512-BF16 (or AMX), the kernel's flash attention over the paged blocks; otherwise torch's SDPA (over the fresh
+    K/V, or a gathered copy after a cached prefix)."""
 
     name = "torch"
 
@@ -47,7 +47,7 @@ class TorchAttentionBackend:
         in_place = meta.prefills and self.kernel is not None and cpu_attention.prefill_supported(query, k)
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            if in_place:   # a bfloat16 cache on AMX tiles, over the paged blocks with or without a cached prefix
+            if in_place:   # a bfloat16 cache, over the paged blocks with or without a cached prefix
                 out[rows] = cpu_attention.paged_prefill_attention(query[rows], k, v, chunk.block_table,
                                                                   chunk.context_len, scale, window, softcap)
                 continue

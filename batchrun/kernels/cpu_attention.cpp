@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "cpu_attention_amx.h"
+#include "cpu_prefill.h"
 #include "cpu_prefill_amx.h"
 #include "cpu_vec.h"
 #include "task_balance.h"
@@ -300,12 +301,14 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
 }
 
 // One request's prefill chunk, query [L, H, D] bfloat16 (positions context_len - L .. context_len - 1), over its
-// context in a bfloat16 pool (the chunk's K/V written there first), on AMX tiles (cpu_prefill_amx.h). Only where
-// prefill_amx_ready() and head_dim is 64 or 128.
+// context in a bfloat16 pool (the chunk's K/V written there first): on AMX tiles where `tiles` (cpu_prefill_amx.h),
+// else on AVX512-BF16's dot instruction (cpu_prefill.h). Only where prefill_ready() (tiles: prefill_amx_ready())
+// and head_dim is 64 or 128.
 torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                                       torch::Tensor block_table, int64_t context_len, double scale, int64_t window,
-                                      double softcap) {
-  TORCH_CHECK(batchrun::kAmx && batchrun::amx_ready(), "prefill attention on AMX: this CPU or build has no AMX");
+                                      double softcap, bool tiles) {
+  TORCH_CHECK(tiles ? batchrun::kAmx && batchrun::amx_ready() : batchrun::kPrefillVec,
+              "prefill attention: this CPU or build has no ", tiles ? "AMX" : "AVX512-BF16");
   TORCH_CHECK(query.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous tensors");
   TORCH_CHECK(query.scalar_type() == torch::kBFloat16 && k_cache.scalar_type() == torch::kBFloat16 &&
                   v_cache.scalar_type() == torch::kBFloat16, "query and cache: bfloat16");
@@ -314,24 +317,18 @@ torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor k_cache
   TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(rows <= context_len && (context_len + k_cache.size(1) - 1) / k_cache.size(1) <= block_table.size(0),
               "context_len: more positions than the chunk and its block table hold");
+  TORCH_CHECK(dim == 64 || dim == 128, "prefill attention: head_dim 64 or 128, got ", dim);
   auto out = torch::empty_like(query);
-#if BATCHRUN_AMX_BUILD
   auto run = [&](auto kernel) {
     kernel(query.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
            block_table.data_ptr<int64_t>(), rows, context_len, heads, kv_heads, k_cache.size(1),
            static_cast<float>(scale), window, static_cast<float>(softcap), out.data_ptr<at::BFloat16>());
   };
-  switch (dim) {
-    case 64:
-      run(batchrun::prefill_attention_amx<64>);
-      break;
-    case 128:
-      run(batchrun::prefill_attention_amx<128>);
-      break;
-    default:
-      TORCH_CHECK(false, "prefill attention on AMX: head_dim 64 or 128, got ", dim);
+  if (tiles) {
+    run(dim == 64 ? batchrun::prefill_attention_amx<64> : batchrun::prefill_attention_amx<128>);
+  } else {
+    run(dim == 64 ? batchrun::prefill_attention_vec<64> : batchrun::prefill_attention_vec<128>);
   }
-#endif
   return out;
 }
 
@@ -346,8 +343,10 @@ std::tuple<int64_t, std::vector<int64_t>, std::vector<int64_t>> task_plan(const 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention reading K/V in place");
-  m.def("paged_prefill_attention", &paged_prefill_attention, "a prefill chunk over its paged context on AMX tiles");
-  m.def("prefill_amx_ready", [] { return batchrun::kAmx && batchrun::amx_ready(); },
+  m.def("paged_prefill_attention", &paged_prefill_attention, "a prefill chunk over its paged context");
+  m.def("prefill_ready", [] { return batchrun::kPrefillVec || (batchrun::kAmx && batchrun::amx_ready()); },
         "whether paged_prefill_attention can run here");
+  m.def("prefill_amx_ready", [] { return batchrun::kAmx && batchrun::amx_ready(); },
+        "whether paged_prefill_attention can run here on AMX tiles");
   m.def("task_plan", &task_plan, "how decode attention deals its tasks to `threads` threads (for tests)");
 }

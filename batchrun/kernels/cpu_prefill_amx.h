@@ -1,32 +1,17 @@
-// Paged prefill attention on AMX tiles: one request's chunk of query rows over its context in the paged pool (the
-// chunk's own K/V already written there), causal, for a bfloat16 cache and query (included by cpu_attention.cpp;
-// its comment gives the pool's layout).
-//
-// query [L, H, D]: the rows of positions context_len - L .. context_len - 1. Each query row attends to the
-// positions up to its own (within the last `window` when window > 0); scale and softcap as in decode.
-//
-// First, per KV head, the context's K and V are packed from the pool into the tile operands' layouts, once for all
-// the rows that read them: K^T as 16 dimension pairs x 16 positions a tile, V as 16 position pairs x 16 dimensions.
-// Then each task (16 query rows, with all their query heads or one) runs a flash-attention loop, 64 positions a
-// step:
-//   scores [16 rows, 64 positions] = Q [16, DIM] x K^T (four tiles), masked only on the tile's diagonal, the online
-//   softmax per row on four 16-lane vectors (its sum kept in a vector: one reduction at the end), P rounded to
-//   bfloat16 as flash attention does; out [16, DIM] += P [16, 64] x V [64, DIM], 16 dimensions a product.
-// What the engine ran before: torch's SDPA over the chunk's fresh K/V, or over a gathered copy of the context after
-// a cached prefix. bench/prefill_attention.py, one thread of an Intel Xeon (AMX), SmolLM2's heads (9/3): a 355-token
-// prompt 1.31 -> 0.77 ms, 1,024 tokens 5.15 -> 4.42 ms, 512 new after 1,536 cached 9.59 -> 7.22 ms. By instruction
-// counts (not profiled) the per-row softmax, not the tile products, takes most of a step.
+// Paged prefill attention on AMX tiles (cpu_prefill.h gives the contract, the packed context and the softmax they
+// share with the AVX512-BF16 kernel): scores [16 rows, 64 positions] = Q [16, DIM] x K^T on four tiles, P [16, 64]
+// x V 16 dimensions a product. bench/prefill_attention.py, one thread of an Intel Xeon (AMX), SmolLM2's heads
+// (9/3), against torch's SDPA: a 355-token prompt 1.31 -> 0.77 ms, 1,024 tokens 5.15 -> 4.42 ms, 512 new after
+// 1,536 cached 9.59 -> 7.22 ms. By instruction counts (not profiled) the per-row softmax, not the tile products,
+// takes most of a step.
 #pragma once
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <limits>
-#include <vector>
 
 #include "amx.h"
-#include "cpu_vec.h"
-#include "task_balance.h"
+#include "cpu_prefill.h"
 
 namespace batchrun {
 
@@ -41,42 +26,11 @@ namespace batchrun {
 #define BATCHRUN_PF_ACC3 5
 #define BATCHRUN_PF_PROBS 6
 #define BATCHRUN_PF_PROBS2 7
-constexpr int64_t kPrefillRows = 16, kPrefillStep = 64;
 
 inline void configure_prefill_tiles() {
   TileConfig config;
   for (int tile = 0; tile < 8; ++tile) config.set(tile, 16, 64);
   _tile_loadconfig(&config);
-}
-
-// The pool's K and V of positions [step x 64, step x 64 + 64) for KV head h, in the tiles' layouts (positions from
-// context_len on are zero):
-//   keys: [step][piece < 4][word c < DIM / 32][dim pair r < 16][position p < 16] as uint32 (two bfloat16);
-//   values: [step][16-dim chunk j < DIM / 16][position pair < 32][dim d < 16][2 positions] as bfloat16.
-template <int DIM>
-void pack_context(const at::BFloat16* k_ptr, const at::BFloat16* v_ptr, const int64_t* table, int64_t block_size,
-                  int64_t token_stride, int64_t h, int64_t step, int64_t context_len, uint32_t* keys,
-                  at::BFloat16* values) {
-  constexpr int kWords = DIM / 32, kChunks = DIM / 16;
-  uint32_t* key_step = keys + step * kPrefillStep * DIM / 2;
-  at::BFloat16* value_step = values + step * kPrefillStep * DIM;
-  for (int64_t p = 0; p < kPrefillStep; ++p) {
-    const int64_t pos = step * kPrefillStep + p, piece = p / 16, col = p % 16;
-    const bool real = pos < context_len;
-    const int64_t slot = real ? table[pos / block_size] * block_size + pos % block_size : 0;
-    const uint32_t* k_words = reinterpret_cast<const uint32_t*>(k_ptr + slot * token_stride + h * DIM);
-    const at::BFloat16* v_row = v_ptr + slot * token_stride + h * DIM;
-    for (int c = 0; c < kWords; ++c) {
-      for (int r = 0; r < 16; ++r) {
-        key_step[((piece * kWords + c) * 16 + r) * 16 + col] = real ? k_words[16 * c + r] : 0;
-      }
-    }
-    for (int j = 0; j < kChunks; ++j) {
-      for (int d = 0; d < 16; ++d) {
-        value_step[((j * 32 + p / 2) * 16 + d) * 2 + p % 2] = real ? v_row[16 * j + d] : at::BFloat16(0.f);
-      }
-    }
-  }
 }
 
 // out [16 rows, 64 dims from chunk j0] = P [16, 64 positions] x V: four 16-dimension products, each over the two
@@ -95,27 +49,11 @@ void prefill_attention_amx(const at::BFloat16* q_ptr, const at::BFloat16* k_ptr,
                            int64_t block_size, float scale, int64_t window, float softcap, at::BFloat16* out_ptr) {
   static_assert(DIM % 64 == 0);
   constexpr int kWords = DIM / 32, kChunks = DIM / 16;
-  const int64_t group = heads / kv_heads, token_stride = kv_heads * DIM, prefix = context_len - rows;
-  const int64_t steps = (context_len + kPrefillStep - 1) / kPrefillStep;
-  const int64_t head_keys = steps * kPrefillStep * DIM / 2, head_values = steps * kPrefillStep * DIM;
-  std::vector<uint32_t> keys(kv_heads * head_keys);
-  std::vector<at::BFloat16> values(kv_heads * head_values);
-  at::parallel_for(0, kv_heads * steps, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t h = i / steps;
-      pack_context<DIM>(k_ptr, v_ptr, table, block_size, token_stride, h, i % steps, context_len,
-                        keys.data() + h * head_keys, values.data() + h * head_values);
-    }
-  });
-  // a task: 16 query rows (a tile) with all their query heads, or one query head where the tiles are too few to
-  // keep the threads even; its cost is the positions its last row reads
-  const int64_t tiles = (rows + kPrefillRows - 1) / kPrefillRows;
-  std::vector<int64_t> reach(tiles);
-  for (int64_t t = 0; t < tiles; ++t) reach[t] = prefix + std::min(rows, (t + 1) * kPrefillRows);
-  const TaskPlan plan = balance_tasks(reach.data(), tiles, heads, window);
+  const int64_t group = heads / kv_heads, prefix = context_len - rows;
+  const PackedContext<DIM> context(k_ptr, v_ptr, table, block_size, kv_heads, context_len);
+  const TaskPlan plan = prefill_tasks(rows, prefix, heads, window);
   const int64_t task_heads = heads / plan.split;
-  const Vec score_scale(scale), neg_inf(-std::numeric_limits<float>::infinity()), cap(softcap);
-  const Vec lane(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f, 14.f, 15.f);
+  const PrefillSoftmax softmax(scale, softcap, window);
 
   at::parallel_for(0, plan.threads(), 1, [&](int64_t begin, int64_t end) {
     configure_prefill_tiles();
@@ -134,8 +72,6 @@ void prefill_attention_amx(const at::BFloat16* q_ptr, const at::BFloat16* k_ptr,
       std::memset(probs2, 0, sizeof(probs2));
       for (int64_t qh = (task % plan.split) * task_heads; qh < (task % plan.split + 1) * task_heads; ++qh) {
         const int64_t h = qh / group;
-        const uint32_t* head_k = keys.data() + h * head_keys;
-        const at::BFloat16* head_v = values.data() + h * head_values;
         for (int64_t r = 0; r < kPrefillRows; ++r) {
           if (r < n) {
             std::memcpy(query + r * DIM, q_ptr + ((row0 + r) * heads + qh) * DIM, DIM * sizeof(at::BFloat16));
@@ -149,7 +85,7 @@ void prefill_attention_amx(const at::BFloat16* q_ptr, const at::BFloat16* k_ptr,
         std::fill(sums, sums + kPrefillRows, Vec(0.f));
         for (int64_t step = first_lo / kPrefillStep; step * kPrefillStep <= last_pos; ++step) {
           const int64_t step_start = step * kPrefillStep;
-          const uint32_t* step_k = head_k + step_start * DIM / 2;
+          const uint32_t* step_k = context.step_keys(h, step);
           _tile_zero(BATCHRUN_PF_ACC0);
           _tile_zero(BATCHRUN_PF_ACC1);
           _tile_zero(BATCHRUN_PF_ACC2);
@@ -173,41 +109,12 @@ void prefill_attention_amx(const at::BFloat16* q_ptr, const at::BFloat16* k_ptr,
           const bool masked = step_start + kPrefillStep - 1 > first_pos ||
                               (window > 0 && step_start < last_pos - window + 1);
           for (int64_t r = 0; r < n; ++r) {
-            Vec s[4];
-            for (int piece = 0; piece < 4; ++piece) {
-              s[piece] = Vec::loadu(scores + r * kPrefillStep + 16 * piece) * score_scale;
-              if (softcap > 0) s[piece] = cap * (s[piece] / cap).tanh();
-            }
-            if (masked) {   // positions this row reads: [lo, pos]
-              const float pos = static_cast<float>(first_pos + r);
-              const Vec hi(pos), lo(window > 0 ? pos - static_cast<float>(window) + 1.f : 0.f);
-              for (int piece = 0; piece < 4; ++piece) {
-                const Vec at = Vec(static_cast<float>(step_start + 16 * piece)) + lane;
-                s[piece] = Vec::blendv(neg_inf, s[piece], (at <= hi) & (at >= lo));
-              }
-            }
-            const float new_top =
-                std::max(top[r], at::vec::maximum(at::vec::maximum(s[0], s[1]), at::vec::maximum(s[2], s[3]))
-                                     .reduce_max());
-            if (new_top == -std::numeric_limits<float>::infinity()) {   // nothing readable yet in this row
-              rescale[r] = 1.f;
-              std::memset(probs + r * 32, 0, 64);
-              std::memset(probs2 + r * 32, 0, 64);
-              continue;
-            }
-            // exp_u20 (20 ulp, as torch's CPU flash attention uses): P is rounded to bfloat16 next
-            const Vec top_v(new_top);
-            const Vec p0 = (s[0] - top_v).exp_u20(), p1 = (s[1] - top_v).exp_u20();
-            const Vec p2 = (s[2] - top_v).exp_u20(), p3 = (s[3] - top_v).exp_u20();
-            rescale[r] = std::exp(top[r] - new_top);   // 0 on a row's first positions (top = -inf)
-            top[r] = new_top;
-            sums[r] = at::vec::fmadd(sums[r], Vec(rescale[r]), (p0 + p1) + (p2 + p3));
-            _mm512_store_si512(probs + r * 32, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-            _mm512_store_si512(probs2 + r * 32, (__m512i)_mm512_cvtne2ps_pbh(p3, p2));
+            softmax.row(scores + r * kPrefillStep, masked, first_pos + r, step_start, top[r], rescale[r], sums[r],
+                        probs + r * 32, probs2 + r * 32);
           }
           _tile_loadd(BATCHRUN_PF_PROBS, probs, 64);
           _tile_loadd(BATCHRUN_PF_PROBS2, probs2, 64);
-          const at::BFloat16* step_v = head_v + step_start * DIM;
+          const at::BFloat16* step_v = context.step_values(h, step);
           for (int j0 = 0; j0 < kChunks; j0 += 4) {
             BATCHRUN_PF_VALUE_PRODUCT(BATCHRUN_PF_ACC0, j0)
             BATCHRUN_PF_VALUE_PRODUCT(BATCHRUN_PF_ACC1, j0 + 1)

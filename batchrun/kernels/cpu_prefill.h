@@ -1,0 +1,270 @@
+// Paged prefill attention for a bfloat16 cache and query: one request's chunk of query rows over its context in
+// the paged pool (the chunk's own K/V already written there), causal (included by cpu_attention.cpp; its comment
+// gives the pool's layout). What both kernels share (the packed context, the task plan, the online softmax of a
+// row), and the kernel for CPUs with AVX512-BF16 but no AMX; cpu_prefill_amx.h runs the products on AMX tiles.
+//
+// query [L, H, D]: the rows of positions context_len - L .. context_len - 1. Each query row attends to the
+// positions up to its own (within the last `window` when window > 0); scale and softcap as in decode.
+//
+// First, per KV head, the context's K and V are packed from the pool into the products' layouts, once for all the
+// rows that read them: K^T as dimension pairs x 16 positions, V as position pairs x 16 dimensions (the operand
+// layout of both AMX's tiles and AVX512-BF16's dot instruction, which multiply bfloat16 pairs into float32 sums).
+// Then each task (16 query rows, with all their query heads or one) runs a flash-attention loop, 64 positions a
+// step: scores [16 rows, 64 positions] = Q x K^T, masked only on the rows' diagonal; the online softmax per row on
+// four 16-lane vectors (its sum kept in a vector: one reduction at the end), P rounded to bfloat16 as flash attention
+// does; out [16, DIM] += P x V.
+// What the engine runs otherwise: torch's SDPA over the chunk's fresh K/V, or over a gathered copy of the context
+// after a cached prefix. bench/prefill_attention.py gives both kernels' times against it.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "cpu_vec.h"
+#include "task_balance.h"
+
+namespace batchrun {
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+constexpr bool kPrefillVec = true;   // prefill_attention_vec runs in this build
+constexpr int64_t kPrefillRows = 16, kPrefillStep = 64;
+
+// The context's K and V for every KV head, packed from the pool (positions from context_len on are zero):
+//   keys: [head][step][piece < 4][word c < DIM / 32][dim pair r < 16][position p < 16] as uint32 (two bfloat16);
+//   values: [head][step][16-dim chunk j < DIM / 16][position pair < 32][dim d < 16][2 positions] as bfloat16.
+template <int DIM>
+struct PackedContext {
+  int64_t steps, head_keys, head_values;
+  std::vector<uint32_t> keys;
+  std::vector<at::BFloat16> values;
+
+  PackedContext(const at::BFloat16* k_ptr, const at::BFloat16* v_ptr, const int64_t* table, int64_t block_size,
+                int64_t kv_heads, int64_t context_len)
+      : steps((context_len + kPrefillStep - 1) / kPrefillStep),
+        head_keys(steps * kPrefillStep * DIM / 2),
+        head_values(steps * kPrefillStep * DIM),
+        keys(kv_heads * head_keys),
+        values(kv_heads * head_values) {
+    at::parallel_for(0, kv_heads * steps, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        pack(k_ptr, v_ptr, table, block_size, kv_heads * DIM, i / steps, i % steps, context_len);
+      }
+    });
+  }
+
+  const uint32_t* step_keys(int64_t h, int64_t step) const {
+    return keys.data() + h * head_keys + step * kPrefillStep * DIM / 2;
+  }
+  const at::BFloat16* step_values(int64_t h, int64_t step) const {
+    return values.data() + h * head_values + step * kPrefillStep * DIM;
+  }
+
+ private:
+  void pack(const at::BFloat16* k_ptr, const at::BFloat16* v_ptr, const int64_t* table, int64_t block_size,
+            int64_t token_stride, int64_t h, int64_t step, int64_t context_len) {
+    constexpr int kWords = DIM / 32, kChunks = DIM / 16;
+    uint32_t* key_step = keys.data() + h * head_keys + step * kPrefillStep * DIM / 2;
+    at::BFloat16* value_step = values.data() + h * head_values + step * kPrefillStep * DIM;
+    for (int64_t p = 0; p < kPrefillStep; ++p) {
+      const int64_t pos = step * kPrefillStep + p, piece = p / 16, col = p % 16;
+      const bool real = pos < context_len;
+      const int64_t slot = real ? table[pos / block_size] * block_size + pos % block_size : 0;
+      const uint32_t* k_words = reinterpret_cast<const uint32_t*>(k_ptr + slot * token_stride + h * DIM);
+      const at::BFloat16* v_row = v_ptr + slot * token_stride + h * DIM;
+      for (int c = 0; c < kWords; ++c) {
+        for (int r = 0; r < 16; ++r) {
+          key_step[((piece * kWords + c) * 16 + r) * 16 + col] = real ? k_words[16 * c + r] : 0;
+        }
+      }
+      for (int j = 0; j < kChunks; ++j) {
+        for (int d = 0; d < 16; ++d) {
+          value_step[((j * 32 + p / 2) * 16 + d) * 2 + p % 2] = real ? v_row[16 * j + d] : at::BFloat16(0.f);
+        }
+      }
+    }
+  }
+};
+
+// A task: 16 query rows with all their query heads, or one query head where the row blocks are too few to keep
+// the threads even; its cost is the positions its last row reads.
+inline TaskPlan prefill_tasks(int64_t rows, int64_t prefix, int64_t heads, int64_t window) {
+  const int64_t tiles = (rows + kPrefillRows - 1) / kPrefillRows;
+  std::vector<int64_t> reach(tiles);
+  for (int64_t t = 0; t < tiles; ++t) reach[t] = prefix + std::min(rows, (t + 1) * kPrefillRows);
+  return balance_tasks(reach.data(), tiles, heads, window);
+}
+
+// One row's step of the online softmax.
+struct PrefillSoftmax {
+  Vec scale, cap, neg_inf = Vec(-std::numeric_limits<float>::infinity());
+  Vec lane = Vec(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f, 14.f, 15.f);
+  float softcap;
+  int64_t window;
+
+  PrefillSoftmax(float scale_, float softcap_, int64_t window_)
+      : scale(scale_), cap(softcap_), softcap(softcap_), window(window_) {}
+
+  // raw: the row's 64 products with the step's positions (from step_start); masked: whether some of them may lie
+  // outside the positions the row at `pos` reads. Writes the probabilities as bfloat16 (positions 0-31 at lo,
+  // 32-63 at hi; 0 where not read) and updates the row's running max, the factor its output is to be multiplied
+  // by before this step's products are added, and its running sum.
+  void row(const float* raw, bool masked, int64_t pos, int64_t step_start, float& top, float& rescale, Vec& sum,
+           at::BFloat16* lo_half, at::BFloat16* hi_half) const {
+    Vec s[4];
+    for (int piece = 0; piece < 4; ++piece) {
+      s[piece] = Vec::loadu(raw + 16 * piece) * scale;
+      if (softcap > 0) s[piece] = cap * (s[piece] / cap).tanh();
+    }
+    if (masked) {   // positions this row reads: [lo, pos]
+      const Vec hi(static_cast<float>(pos)), lo(window > 0 ? static_cast<float>(pos - window + 1) : 0.f);
+      for (int piece = 0; piece < 4; ++piece) {
+        const Vec at = Vec(static_cast<float>(step_start + 16 * piece)) + lane;
+        s[piece] = Vec::blendv(neg_inf, s[piece], (at <= hi) & (at >= lo));
+      }
+    }
+    const float new_top =
+        std::max(top, at::vec::maximum(at::vec::maximum(s[0], s[1]), at::vec::maximum(s[2], s[3])).reduce_max());
+    if (new_top == -std::numeric_limits<float>::infinity()) {   // nothing readable yet in this row
+      rescale = 1.f;
+      std::memset(lo_half, 0, 64);
+      std::memset(hi_half, 0, 64);
+      return;
+    }
+    // exp_u20 (20 ulp, as torch's CPU flash attention uses): P is rounded to bfloat16 next
+    const Vec top_v(new_top);
+    const Vec p0 = (s[0] - top_v).exp_u20(), p1 = (s[1] - top_v).exp_u20();
+    const Vec p2 = (s[2] - top_v).exp_u20(), p3 = (s[3] - top_v).exp_u20();
+    rescale = std::exp(top - new_top);   // 0 on a row's first positions (top = -inf)
+    top = new_top;
+    sum = at::vec::fmadd(sum, Vec(rescale), (p0 + p1) + (p2 + p3));
+    store_bf16_pairs(p0, p1, lo_half);
+    store_bf16_pairs(p2, p3, hi_half);
+  }
+
+ private:
+  static void store_bf16_pairs(const Vec& a, const Vec& b, at::BFloat16* out) {
+    _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+  }
+};
+
+// The products on AVX512-BF16's dot instruction (16 float32 lanes, each a sum of two bfloat16 products), four query
+// rows at a time so that each K or V vector loaded serves four rows: scores of 4 rows x 64 positions in 16
+// registers, then the output of 4 rows x 64 dimensions in 16.
+template <int DIM>
+void prefill_attention_vec(const at::BFloat16* q_ptr, const at::BFloat16* k_ptr, const at::BFloat16* v_ptr,
+                           const int64_t* table, int64_t rows, int64_t context_len, int64_t heads, int64_t kv_heads,
+                           int64_t block_size, float scale, int64_t window, float softcap, at::BFloat16* out_ptr) {
+  static_assert(DIM % 64 == 0);
+  constexpr int kPairs = DIM / 2, kWords = DIM / 32, kChunks = DIM / 16, kGroupRows = 4;
+  const int64_t group = heads / kv_heads, prefix = context_len - rows;
+  const PackedContext<DIM> context(k_ptr, v_ptr, table, block_size, kv_heads, context_len);
+  const TaskPlan plan = prefill_tasks(rows, prefix, heads, window);
+  const int64_t task_heads = heads / plan.split;
+  const PrefillSoftmax softmax(scale, softcap, window);
+
+  at::parallel_for(0, plan.threads(), 1, [&](int64_t begin, int64_t end) {
+    alignas(64) uint32_t query[kPrefillRows * kPairs];          // the rows' query as bfloat16 pairs
+    alignas(64) float scores[kPrefillRows * kPrefillStep];
+    alignas(64) at::BFloat16 probs[kPrefillRows * kPrefillStep];
+    alignas(64) float acc[kPrefillRows * DIM];
+    float top[kPrefillRows], rescale[kPrefillRows];
+    Vec sums[kPrefillRows];
+    for (int64_t i = plan.offsets[begin]; i < plan.offsets[end]; ++i) {
+      const int64_t task = plan.order[i], row0 = task / plan.split * kPrefillRows;
+      const int64_t n = std::min(kPrefillRows, rows - row0);   // real rows in the task
+      const int64_t padded_n = (n + kGroupRows - 1) / kGroupRows * kGroupRows;
+      const int64_t first_pos = prefix + row0, last_pos = first_pos + n - 1;
+      const int64_t first_lo = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+      std::memset(probs, 0, sizeof(probs));   // rows past n stay zero
+      for (int64_t qh = (task % plan.split) * task_heads; qh < (task % plan.split + 1) * task_heads; ++qh) {
+        const int64_t h = qh / group;
+        for (int64_t r = 0; r < padded_n; ++r) {
+          if (r < n) {
+            std::memcpy(query + r * kPairs, q_ptr + ((row0 + r) * heads + qh) * DIM, DIM * sizeof(at::BFloat16));
+          } else {
+            std::memset(query + r * kPairs, 0, DIM * sizeof(at::BFloat16));
+          }
+        }
+        std::fill(acc, acc + kPrefillRows * DIM, 0.f);
+        std::fill(top, top + kPrefillRows, -std::numeric_limits<float>::infinity());
+        std::fill(rescale, rescale + kPrefillRows, 1.f);
+        std::fill(sums, sums + kPrefillRows, Vec(0.f));
+        for (int64_t step = first_lo / kPrefillStep; step * kPrefillStep <= last_pos; ++step) {
+          const int64_t step_start = step * kPrefillStep;
+          const uint32_t* step_k = context.step_keys(h, step);
+          for (int64_t r0 = 0; r0 < padded_n; r0 += kGroupRows) {   // scores [4 rows, 64 positions]
+            __m512 s[kGroupRows][4];
+            for (int r = 0; r < kGroupRows; ++r) {
+              for (int piece = 0; piece < 4; ++piece) s[r][piece] = _mm512_setzero_ps();
+            }
+            for (int pair = 0; pair < kPairs; ++pair) {
+              const uint32_t* words = step_k + pair * 16;   // piece 0's 16 positions
+              __m512bh k[4];
+              for (int piece = 0; piece < 4; ++piece) {
+                k[piece] = (__m512bh)_mm512_loadu_si512(words + piece * kWords * 256);
+              }
+              for (int r = 0; r < kGroupRows; ++r) {
+                const __m512bh q = (__m512bh)_mm512_set1_epi32(query[(r0 + r) * kPairs + pair]);
+                for (int piece = 0; piece < 4; ++piece) s[r][piece] = _mm512_dpbf16_ps(s[r][piece], q, k[piece]);
+              }
+            }
+            for (int r = 0; r < kGroupRows; ++r) {
+              for (int piece = 0; piece < 4; ++piece) {
+                _mm512_store_ps(scores + (r0 + r) * kPrefillStep + 16 * piece, s[r][piece]);
+              }
+            }
+          }
+          // only the steps on the rows' diagonal (or their window's edge) hold positions some row may not read
+          const bool masked = step_start + kPrefillStep - 1 > first_pos ||
+                              (window > 0 && step_start < last_pos - window + 1);
+          for (int64_t r = 0; r < n; ++r) {
+            softmax.row(scores + r * kPrefillStep, masked, first_pos + r, step_start, top[r], rescale[r], sums[r],
+                        probs + r * kPrefillStep, probs + r * kPrefillStep + 32);
+          }
+          const at::BFloat16* step_v = context.step_values(h, step);
+          const uint32_t* prob_pairs = reinterpret_cast<const uint32_t*>(probs);
+          for (int64_t r0 = 0; r0 < padded_n; r0 += kGroupRows) {   // out [4 rows, 64 dims] += P x V
+            for (int j0 = 0; j0 < kChunks; j0 += 4) {
+              __m512 o[kGroupRows][4];
+              for (int r = 0; r < kGroupRows; ++r) {
+                const __m512 keep = _mm512_set1_ps(rescale[r0 + r]);
+                for (int j = 0; j < 4; ++j) {
+                  o[r][j] = _mm512_mul_ps(_mm512_load_ps(acc + (r0 + r) * DIM + 16 * (j0 + j)), keep);
+                }
+              }
+              for (int pair = 0; pair < kPrefillStep / 2; ++pair) {
+                __m512bh v[4];
+                for (int j = 0; j < 4; ++j) v[j] = (__m512bh)_mm512_loadu_si512(step_v + ((j0 + j) * 32 + pair) * 32);
+                for (int r = 0; r < kGroupRows; ++r) {
+                  const __m512bh p = (__m512bh)_mm512_set1_epi32(prob_pairs[(r0 + r) * kPrefillStep / 2 + pair]);
+                  for (int j = 0; j < 4; ++j) o[r][j] = _mm512_dpbf16_ps(o[r][j], p, v[j]);
+                }
+              }
+              for (int r = 0; r < kGroupRows; ++r) {
+                for (int j = 0; j < 4; ++j) _mm512_store_ps(acc + (r0 + r) * DIM + 16 * (j0 + j), o[r][j]);
+              }
+            }
+          }
+        }
+        for (int64_t r = 0; r < n; ++r) {
+          at::BFloat16* o = out_ptr + ((row0 + r) * heads + qh) * DIM;
+          const Vec inv(1.f / sums[r].reduce_add());
+          for (int64_t d = 0; d < DIM; d += kLanes) store_float(Vec::loadu(acc + r * DIM + d) * inv, o + d);
+        }
+      }
+    }
+  });
+}
+#else
+constexpr bool kPrefillVec = false;
+template <int DIM>
+void prefill_attention_vec(const at::BFloat16*, const at::BFloat16*, const at::BFloat16*, const int64_t*, int64_t,
+                           int64_t, int64_t, int64_t, int64_t, float, int64_t, float, at::BFloat16*) {}
+#endif
+
+}  // namespace batchrun
