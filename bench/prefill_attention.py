@@ -1,5 +1,5 @@
-"""Prefill attention at bfloat16: the kernels over the paged blocks (AVX512-BF16 dot products; AMX tiles where the
-CPU has them) against what the engine runs without them, torch's SDPA over the chunk's fresh K/V (no cached prefix)
+"""Prefill attention at bfloat16 and float32: the kernels over the paged blocks (bfloat16 on AVX512-BF16 dot products,
+and on AMX tiles where the CPU has them; float32 on AVX-512 FMA) against what the engine runs without them, torch's SDPA over the chunk's fresh K/V (no cached prefix)
 or over a gathered copy of the context (after a prefix).
 
     python bench/prefill_attention.py [--threads 1] [--repeats 20]
@@ -41,38 +41,46 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     flags = " ".join(f for f in ("avx512_bf16", "amx_bf16") if f in cpu_flags())
     print(f"{cpu_model()}; {flags}; {args.threads} thread(s)")
-    probe = torch.zeros(1, 3, 64, dtype=torch.bfloat16)
-    if not cpu_attention.prefill_supported(probe[:, :3], probe):
-        raise SystemExit("the prefill kernels do not run here (no AVX512-BF16, or no C++ toolchain)")
-    paths = {"vector": False, "tiles": True} if cpu_attention.load().prefill_amx_ready() else {"vector": False}
-    print(f"{'heads':>8} {'new':>5} {'context':>7} {'SDPA ms':>10}"
-          + "".join(f" {name + ' ms':>10} {'speedup':>8}" for name in paths))
-    for name, (heads, kv_heads, dim) in SHAPES.items():
-        for rows, context in CHUNKS:
-            gen = torch.Generator().manual_seed(rows + context)
-            blocks = -(-context // 16)
-            k = torch.randn(2 * blocks, 16, kv_heads, dim, generator=gen).bfloat16()
-            v = torch.randn(2 * blocks, 16, kv_heads, dim, generator=gen).bfloat16()
-            table = torch.randperm(2 * blocks, generator=gen)[:blocks]
-            query = torch.randn(rows, heads, dim, generator=gen).bfloat16()
-            scale = dim ** -0.5
-            want = reference.paged_prefill_attention(query.float(), k.float(), v.float(), table, context, scale)
-            for tiles in paths.values():
-                got = cpu_attention.paged_prefill_attention(query, k, v, table, context, scale, tiles=tiles)
-                torch.testing.assert_close(got.float(), want.bfloat16().float(), rtol=2e-2, atol=2e-2)
-            if rows == context:   # the engine's path without a prefix: SDPA over the fresh K/V
-                key, value = (reference.gather_kv(c, None, table[None], context, torch.bfloat16)[0]
-                              .transpose(0, 1).contiguous() for c in (k, v))
-                before = timed(lambda: reference.causal_attention(query, key, value, scale), args.repeats)
-            else:
-                before = timed(lambda: reference.paged_prefill_attention(query, k, v, table, context, scale),
-                               args.repeats)
-            line = f"{name:>8} {rows:>5} {context:>7} {before:>10.2f}"
-            for tiles in paths.values():
-                after = timed(lambda: cpu_attention.paged_prefill_attention(query, k, v, table, context, scale,
-                                                                            tiles=tiles), args.repeats)
-                line += f" {after:>10.2f} {before / after:>7.2f}x"
-            print(line)
+    module = cpu_attention.load()
+    for dtype in (torch.bfloat16, torch.float32):
+        probe = torch.zeros(1, 3, 64, dtype=dtype)
+        if not cpu_attention.prefill_supported(probe, probe):
+            print(f"{dtype}: the prefill kernel does not run here (no AVX-512 / AVX512-BF16, or no C++ toolchain)")
+            continue
+        tiles = dtype == torch.bfloat16 and module.prefill_amx_ready()
+        paths = {"vector": False, "tiles": True} if tiles else {"vector": False}
+        print(f"{str(dtype):>14} {'heads':>8} {'new':>5} {'context':>7} {'SDPA ms':>10}"
+              + "".join(f" {name + ' ms':>10} {'speedup':>8}" for name in paths))
+        for name, (heads, kv_heads, dim) in SHAPES.items():
+            for rows, context in CHUNKS:
+                print(f"{str(dtype):>14} " + chunk_line(name, heads, kv_heads, dim, rows, context, dtype, paths,
+                                                       args.repeats))
+
+
+def chunk_line(name, heads, kv_heads, dim, rows, context, dtype, paths, repeats) -> str:
+    gen = torch.Generator().manual_seed(rows + context)
+    blocks = -(-context // 16)
+    k = torch.randn(2 * blocks, 16, kv_heads, dim, generator=gen).to(dtype)
+    v = torch.randn(2 * blocks, 16, kv_heads, dim, generator=gen).to(dtype)
+    table = torch.randperm(2 * blocks, generator=gen)[:blocks]
+    query = torch.randn(rows, heads, dim, generator=gen).to(dtype)
+    scale = dim ** -0.5
+    want = reference.paged_prefill_attention(query.float(), k.float(), v.float(), table, context, scale)
+    for tiles in paths.values():
+        got = cpu_attention.paged_prefill_attention(query, k, v, table, context, scale, tiles=tiles)
+        torch.testing.assert_close(got.float(), want.to(dtype).float(), rtol=2e-2, atol=2e-2)
+    if rows == context:   # the engine's path without a prefix: SDPA over the fresh K/V
+        key, value = (reference.gather_kv(c, None, table[None], context, dtype)[0].transpose(0, 1).contiguous()
+                      for c in (k, v))
+        before = timed(lambda: reference.causal_attention(query, key, value, scale), repeats)
+    else:
+        before = timed(lambda: reference.paged_prefill_attention(query, k, v, table, context, scale), repeats)
+    line = f"{name:>8} {rows:>5} {context:>7} {before:>10.2f}"
+    for tiles in paths.values():
+        after = timed(lambda: cpu_attention.paged_prefill_attention(query, k, v, table, context, scale, tiles=tiles),
+                      repeats)
+        line += f" {after:>10.2f} {before / after:>7.2f}x"
+    return line
 
 
 if __name__ == "__main__":

@@ -300,18 +300,20 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
   return out;
 }
 
-// One request's prefill chunk, query [L, H, D] bfloat16 (positions context_len - L .. context_len - 1), over its
-// context in a bfloat16 pool (the chunk's K/V written there first): on AMX tiles where `tiles` (cpu_prefill_amx.h),
-// else on AVX512-BF16's dot instruction (cpu_prefill.h). Only where prefill_ready() (tiles: prefill_amx_ready())
-// and head_dim is 64 or 128.
+// One request's prefill chunk, query [L, H, D] bfloat16 or float32 (positions context_len - L .. context_len - 1),
+// over its context in a pool of the same dtype (the chunk's K/V written there first): bfloat16 on AMX tiles where
+// `tiles` (cpu_prefill_amx.h), else on AVX-512 vectors (cpu_prefill.h). Only where prefill_ready(bfloat16) (tiles:
+// prefill_amx_ready()) and head_dim is 64 or 128.
 torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                                       torch::Tensor block_table, int64_t context_len, double scale, int64_t window,
                                       double softcap, bool tiles) {
-  TORCH_CHECK(tiles ? batchrun::kAmx && batchrun::amx_ready() : batchrun::kPrefillVec,
-              "prefill attention: this CPU or build has no ", tiles ? "AMX" : "AVX512-BF16");
+  const bool bf16 = query.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(query.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous tensors");
-  TORCH_CHECK(query.scalar_type() == torch::kBFloat16 && k_cache.scalar_type() == torch::kBFloat16 &&
-                  v_cache.scalar_type() == torch::kBFloat16, "query and cache: bfloat16");
+  TORCH_CHECK((bf16 || query.scalar_type() == torch::kFloat) && k_cache.scalar_type() == query.scalar_type() &&
+                  v_cache.scalar_type() == query.scalar_type(), "query and cache: all bfloat16 or all float32");
+  TORCH_CHECK(tiles ? bf16 && batchrun::kAmx && batchrun::amx_ready()
+                    : bf16 ? batchrun::kPrefillBf16 : batchrun::kPrefillFloat,
+              "prefill attention: this CPU or build cannot run it (", tiles ? "AMX, bfloat16" : "AVX-512", ")");
   TORCH_CHECK(block_table.scalar_type() == torch::kInt64 && block_table.is_contiguous(), "block_table: int64");
   const int64_t rows = query.size(0), heads = query.size(1), dim = query.size(2), kv_heads = k_cache.size(2);
   TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of KV heads");
@@ -319,15 +321,22 @@ torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor k_cache
               "context_len: more positions than the chunk and its block table hold");
   TORCH_CHECK(dim == 64 || dim == 128, "prefill attention: head_dim 64 or 128, got ", dim);
   auto out = torch::empty_like(query);
-  auto run = [&](auto kernel) {
-    kernel(query.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
-           block_table.data_ptr<int64_t>(), rows, context_len, heads, kv_heads, k_cache.size(1),
-           static_cast<float>(scale), window, static_cast<float>(softcap), out.data_ptr<at::BFloat16>());
+  auto run = [&](auto kernel, auto element) {
+    using T = decltype(element);
+    kernel(query.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), block_table.data_ptr<int64_t>(), rows,
+           context_len, heads, kv_heads, k_cache.size(1), static_cast<float>(scale), window,
+           static_cast<float>(softcap), out.data_ptr<T>());
   };
+  using at::BFloat16;
   if (tiles) {
-    run(dim == 64 ? batchrun::prefill_attention_amx<64> : batchrun::prefill_attention_amx<128>);
+    run(dim == 64 ? batchrun::prefill_attention_amx<64> : batchrun::prefill_attention_amx<128>, BFloat16());
+  } else if (bf16) {
+#if BATCHRUN_PREFILL_BF16
+    run(dim == 64 ? batchrun::prefill_attention_vec<BFloat16, 64> : batchrun::prefill_attention_vec<BFloat16, 128>,
+        BFloat16());
+#endif
   } else {
-    run(dim == 64 ? batchrun::prefill_attention_vec<64> : batchrun::prefill_attention_vec<128>);
+    run(dim == 64 ? batchrun::prefill_attention_vec<float, 64> : batchrun::prefill_attention_vec<float, 128>, 0.f);
   }
   return out;
 }
@@ -344,8 +353,8 @@ std::tuple<int64_t, std::vector<int64_t>, std::vector<int64_t>> task_plan(const 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention reading K/V in place");
   m.def("paged_prefill_attention", &paged_prefill_attention, "a prefill chunk over its paged context");
-  m.def("prefill_ready", [] { return batchrun::kPrefillVec || (batchrun::kAmx && batchrun::amx_ready()); },
-        "whether paged_prefill_attention can run here");
+  m.def("prefill_ready", [](bool bf16) { return bf16 ? batchrun::kPrefillBf16 : batchrun::kPrefillFloat; },
+        "whether paged_prefill_attention can run here for bfloat16 (else float32)");
   m.def("prefill_amx_ready", [] { return batchrun::kAmx && batchrun::amx_ready(); },
         "whether paged_prefill_attention can run here on AMX tiles");
   m.def("task_plan", &task_plan, "how decode attention deals its tasks to `threads` threads (for tests)");

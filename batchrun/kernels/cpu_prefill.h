@@ -1,18 +1,20 @@
-// Paged prefill attention for a bfloat16 cache and query: one request's chunk of query rows over its context in
-// the paged pool (the chunk's own K/V already written there), causal (included by cpu_attention.cpp; its comment
-// gives the pool's layout). What both kernels share (the packed context, the task plan, the online softmax of a
-// row), and the kernel for CPUs with AVX512-BF16 but no AMX; cpu_prefill_amx.h runs the products on AMX tiles.
+// Paged prefill attention for a bfloat16 or float32 cache and query (the same dtype): one request's chunk of query
+// rows over its context in the paged pool (the chunk's own K/V already written there), causal (included by
+// cpu_attention.cpp; its comment gives the pool's layout). What the kernels share (the packed context, the task
+// plan, the online softmax of a row), and the kernel on AVX-512 vectors (bfloat16 on AVX512-BF16's dot
+// instruction, float32 on FMA); cpu_prefill_amx.h runs bfloat16's products on AMX tiles.
 //
 // query [L, H, D]: the rows of positions context_len - L .. context_len - 1. Each query row attends to the
 // positions up to its own (within the last `window` when window > 0); scale and softcap as in decode.
 //
 // First, per KV head, the context's K and V are packed from the pool into the products' layouts, once for all the
-// rows that read them: K^T as dimension pairs x 16 positions, V as position pairs x 16 dimensions (the operand
-// layout of both AMX's tiles and AVX512-BF16's dot instruction, which multiply bfloat16 pairs into float32 sums).
+// rows that read them, in 32-bit words (a bfloat16 pair or one float32): K^T as words of dimensions x 16 positions,
+// V as words of positions x 16 dimensions (for bfloat16, the operand layout of both AMX's tiles and AVX512-BF16's
+// dot instruction, which multiply bfloat16 pairs into float32 sums).
 // Then each task (16 query rows, with all their query heads or one) runs a flash-attention loop, 64 positions a
 // step: scores [16 rows, 64 positions] = Q x K^T, masked only on the rows' diagonal; the online softmax per row on
 // four 16-lane vectors (its sum kept in a vector: one reduction at the end), P rounded to bfloat16 as flash attention
-// does; out [16, DIM] += P x V.
+// does (float32 keeps it); out [16, DIM] += P x V.
 // What the engine runs otherwise: torch's SDPA over the chunk's fresh K/V, or over a gathered copy of the context
 // after a cached prefix. bench/prefill_attention.py gives both kernels' times against it.
 #pragma once
@@ -30,23 +32,28 @@
 
 namespace batchrun {
 
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
-constexpr bool kPrefillVec = true;   // prefill_attention_vec runs in this build
+#if defined(CPU_CAPABILITY_AVX512)
 constexpr int64_t kPrefillRows = 16, kPrefillStep = 64;
 
-// The context's K and V for every KV head, packed from the pool (positions from context_len on are zero):
-//   keys: [head][step][piece < 4][word c < DIM / 32][dim pair r < 16][position p < 16] as uint32 (two bfloat16);
-//   values: [head][step][16-dim chunk j < DIM / 16][position pair < 32][dim d < 16][2 positions] as bfloat16.
-template <int DIM>
+// Elements of T in a 32-bit word of the packed layouts: 2 bfloat16, 1 float32.
+template <typename T>
+constexpr int kPerWord = 4 / static_cast<int>(sizeof(T));
+
+// The context's K and V for every KV head, packed from the pool (positions from context_len on are zero), with
+// kW = DIM / kPerWord<T> words a row:
+//   keys: [head][step][piece < 4][word w < kW][position p < 16] as uint32;
+//   values: [head][step][16-dim chunk j < DIM / 16][position word g < 64 / kPerWord][dim d < 16][kPerWord] as T.
+template <typename T, int DIM>
 struct PackedContext {
+  static constexpr int kPer = kPerWord<T>, kRowWords = DIM / kPer;
   int64_t steps, head_keys, head_values;
   std::vector<uint32_t> keys;
-  std::vector<at::BFloat16> values;
+  std::vector<T> values;
 
-  PackedContext(const at::BFloat16* k_ptr, const at::BFloat16* v_ptr, const int64_t* table, int64_t block_size,
-                int64_t kv_heads, int64_t context_len)
+  PackedContext(const T* k_ptr, const T* v_ptr, const int64_t* table, int64_t block_size, int64_t kv_heads,
+                int64_t context_len)
       : steps((context_len + kPrefillStep - 1) / kPrefillStep),
-        head_keys(steps * kPrefillStep * DIM / 2),
+        head_keys(steps * kPrefillStep * kRowWords),
         head_values(steps * kPrefillStep * DIM),
         keys(kv_heads * head_keys),
         values(kv_heads * head_values) {
@@ -58,32 +65,28 @@ struct PackedContext {
   }
 
   const uint32_t* step_keys(int64_t h, int64_t step) const {
-    return keys.data() + h * head_keys + step * kPrefillStep * DIM / 2;
+    return keys.data() + h * head_keys + step * kPrefillStep * kRowWords;
   }
-  const at::BFloat16* step_values(int64_t h, int64_t step) const {
+  const T* step_values(int64_t h, int64_t step) const {
     return values.data() + h * head_values + step * kPrefillStep * DIM;
   }
 
  private:
-  void pack(const at::BFloat16* k_ptr, const at::BFloat16* v_ptr, const int64_t* table, int64_t block_size,
-            int64_t token_stride, int64_t h, int64_t step, int64_t context_len) {
-    constexpr int kWords = DIM / 32, kChunks = DIM / 16;
-    uint32_t* key_step = keys.data() + h * head_keys + step * kPrefillStep * DIM / 2;
-    at::BFloat16* value_step = values.data() + h * head_values + step * kPrefillStep * DIM;
+  void pack(const T* k_ptr, const T* v_ptr, const int64_t* table, int64_t block_size, int64_t token_stride,
+            int64_t h, int64_t step, int64_t context_len) {
+    constexpr int kChunks = DIM / 16, kGroups = kPrefillStep / kPer;
+    uint32_t* key_step = keys.data() + h * head_keys + step * kPrefillStep * kRowWords;
+    T* value_step = values.data() + h * head_values + step * kPrefillStep * DIM;
     for (int64_t p = 0; p < kPrefillStep; ++p) {
       const int64_t pos = step * kPrefillStep + p, piece = p / 16, col = p % 16;
       const bool real = pos < context_len;
       const int64_t slot = real ? table[pos / block_size] * block_size + pos % block_size : 0;
       const uint32_t* k_words = reinterpret_cast<const uint32_t*>(k_ptr + slot * token_stride + h * DIM);
-      const at::BFloat16* v_row = v_ptr + slot * token_stride + h * DIM;
-      for (int c = 0; c < kWords; ++c) {
-        for (int r = 0; r < 16; ++r) {
-          key_step[((piece * kWords + c) * 16 + r) * 16 + col] = real ? k_words[16 * c + r] : 0;
-        }
-      }
+      const T* v_row = v_ptr + slot * token_stride + h * DIM;
+      for (int w = 0; w < kRowWords; ++w) key_step[(piece * kRowWords + w) * 16 + col] = real ? k_words[w] : 0;
       for (int j = 0; j < kChunks; ++j) {
         for (int d = 0; d < 16; ++d) {
-          value_step[((j * 32 + p / 2) * 16 + d) * 2 + p % 2] = real ? v_row[16 * j + d] : at::BFloat16(0.f);
+          value_step[((j * kGroups + p / kPer) * 16 + d) * kPer + p % kPer] = real ? v_row[16 * j + d] : T(0.f);
         }
       }
     }
@@ -110,11 +113,12 @@ struct PrefillSoftmax {
       : scale(scale_), cap(softcap_), softcap(softcap_), window(window_) {}
 
   // raw: the row's 64 products with the step's positions (from step_start); masked: whether some of them may lie
-  // outside the positions the row at `pos` reads. Writes the probabilities as bfloat16 (positions 0-31 at lo,
-  // 32-63 at hi; 0 where not read) and updates the row's running max, the factor its output is to be multiplied
-  // by before this step's products are added, and its running sum.
+  // outside the positions the row at `pos` reads. Writes the probabilities as P (positions 0-31 at lo_half, 32-63
+  // at hi_half; 0 where not read) and updates the row's running max, the factor its output is to be multiplied by
+  // before this step's products are added, and its running sum.
+  template <typename P>
   void row(const float* raw, bool masked, int64_t pos, int64_t step_start, float& top, float& rescale, Vec& sum,
-           at::BFloat16* lo_half, at::BFloat16* hi_half) const {
+           P* lo_half, P* hi_half) const {
     Vec s[4];
     for (int piece = 0; piece < 4; ++piece) {
       s[piece] = Vec::loadu(raw + 16 * piece) * scale;
@@ -131,49 +135,80 @@ struct PrefillSoftmax {
         std::max(top, at::vec::maximum(at::vec::maximum(s[0], s[1]), at::vec::maximum(s[2], s[3])).reduce_max());
     if (new_top == -std::numeric_limits<float>::infinity()) {   // nothing readable yet in this row
       rescale = 1.f;
-      std::memset(lo_half, 0, 64);
-      std::memset(hi_half, 0, 64);
+      std::memset(lo_half, 0, 32 * sizeof(P));
+      std::memset(hi_half, 0, 32 * sizeof(P));
       return;
     }
-    // exp_u20 (20 ulp, as torch's CPU flash attention uses): P is rounded to bfloat16 next
+    // exp_u20 (20 ulp, as torch's CPU flash attention uses)
     const Vec top_v(new_top);
     const Vec p0 = (s[0] - top_v).exp_u20(), p1 = (s[1] - top_v).exp_u20();
     const Vec p2 = (s[2] - top_v).exp_u20(), p3 = (s[3] - top_v).exp_u20();
     rescale = std::exp(top - new_top);   // 0 on a row's first positions (top = -inf)
     top = new_top;
     sum = at::vec::fmadd(sum, Vec(rescale), (p0 + p1) + (p2 + p3));
-    store_bf16_pairs(p0, p1, lo_half);
-    store_bf16_pairs(p2, p3, hi_half);
+    store(p0, p1, lo_half);
+    store(p2, p3, hi_half);
   }
 
  private:
-  static void store_bf16_pairs(const Vec& a, const Vec& b, at::BFloat16* out) {
+  static void store(const Vec& a, const Vec& b, float* out) { a.store(out), b.store(out + 16); }
+#if defined(__AVX512BF16__)
+  static void store(const Vec& a, const Vec& b, at::BFloat16* out) {
     _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(b, a));
   }
+#endif
 };
 
-// The products on AVX512-BF16's dot instruction (16 float32 lanes, each a sum of two bfloat16 products), four query
-// rows at a time so that each K or V vector loaded serves four rows: scores of 4 rows x 64 positions in 16
-// registers, then the output of 4 rows x 64 dimensions in 16.
-template <int DIM>
-void prefill_attention_vec(const at::BFloat16* q_ptr, const at::BFloat16* k_ptr, const at::BFloat16* v_ptr,
-                           const int64_t* table, int64_t rows, int64_t context_len, int64_t heads, int64_t kv_heads,
-                           int64_t block_size, float scale, int64_t window, float softcap, at::BFloat16* out_ptr) {
+// acc + the products of a broadcast word with a vector of 16 words, summed per lane: float32 on FMA, a bfloat16
+// pair on AVX512-BF16's dot instruction.
+template <typename T>
+__m512 word_products(__m512 acc, __m512i word, __m512i words);
+template <>
+inline __m512 word_products<float>(__m512 acc, __m512i word, __m512i words) {
+  return _mm512_fmadd_ps(_mm512_castsi512_ps(word), _mm512_castsi512_ps(words), acc);
+}
+#if defined(__AVX512BF16__)
+template <>
+inline __m512 word_products<at::BFloat16>(__m512 acc, __m512i word, __m512i words) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)word, (__m512bh)words);
+}
+#endif
+
+// Whether prefill_attention_vec<T> runs in this build (BATCHRUN_PREFILL_BF16 for #if: the bfloat16 form does not
+// compile without AVX512-BF16).
+constexpr bool kPrefillFloat = true;
+#if defined(__AVX512BF16__)
+#define BATCHRUN_PREFILL_BF16 1
+constexpr bool kPrefillBf16 = true;
+#else
+#define BATCHRUN_PREFILL_BF16 0
+constexpr bool kPrefillBf16 = false;
+#endif
+
+// The products on AVX-512 vectors, four query rows at a time so that each K or V vector loaded serves four rows:
+// scores of 4 rows x 64 positions in 16 registers, then the output of 4 rows x 64 dimensions in 16.
+template <typename T, int DIM>
+void prefill_attention_vec(const T* q_ptr, const T* k_ptr, const T* v_ptr, const int64_t* table, int64_t rows,
+                           int64_t context_len, int64_t heads, int64_t kv_heads, int64_t block_size, float scale,
+                           int64_t window, float softcap, T* out_ptr) {
   static_assert(DIM % 64 == 0);
-  constexpr int kPairs = DIM / 2, kWords = DIM / 32, kChunks = DIM / 16, kGroupRows = 4;
+  using Context = PackedContext<T, DIM>;
+  constexpr int kRowWords = Context::kRowWords, kStepWords = kPrefillStep / Context::kPer;
+  constexpr int kChunks = DIM / 16, kGroupRows = 4;
   const int64_t group = heads / kv_heads, prefix = context_len - rows;
-  const PackedContext<DIM> context(k_ptr, v_ptr, table, block_size, kv_heads, context_len);
+  const Context context(k_ptr, v_ptr, table, block_size, kv_heads, context_len);
   const TaskPlan plan = prefill_tasks(rows, prefix, heads, window);
   const int64_t task_heads = heads / plan.split;
   const PrefillSoftmax softmax(scale, softcap, window);
 
   at::parallel_for(0, plan.threads(), 1, [&](int64_t begin, int64_t end) {
-    alignas(64) uint32_t query[kPrefillRows * kPairs];          // the rows' query as bfloat16 pairs
+    alignas(64) uint32_t query[kPrefillRows * kRowWords];   // the rows' query in words
     alignas(64) float scores[kPrefillRows * kPrefillStep];
-    alignas(64) at::BFloat16 probs[kPrefillRows * kPrefillStep];
+    alignas(64) T probs[kPrefillRows * kPrefillStep];
     alignas(64) float acc[kPrefillRows * DIM];
     float top[kPrefillRows], rescale[kPrefillRows];
     Vec sums[kPrefillRows];
+    const uint32_t* prob_words = reinterpret_cast<const uint32_t*>(probs);
     for (int64_t i = plan.offsets[begin]; i < plan.offsets[end]; ++i) {
       const int64_t task = plan.order[i], row0 = task / plan.split * kPrefillRows;
       const int64_t n = std::min(kPrefillRows, rows - row0);   // real rows in the task
@@ -185,9 +220,9 @@ void prefill_attention_vec(const at::BFloat16* q_ptr, const at::BFloat16* k_ptr,
         const int64_t h = qh / group;
         for (int64_t r = 0; r < padded_n; ++r) {
           if (r < n) {
-            std::memcpy(query + r * kPairs, q_ptr + ((row0 + r) * heads + qh) * DIM, DIM * sizeof(at::BFloat16));
+            std::memcpy(query + r * kRowWords, q_ptr + ((row0 + r) * heads + qh) * DIM, DIM * sizeof(T));
           } else {
-            std::memset(query + r * kPairs, 0, DIM * sizeof(at::BFloat16));
+            std::memset(query + r * kRowWords, 0, DIM * sizeof(T));
           }
         }
         std::fill(acc, acc + kPrefillRows * DIM, 0.f);
@@ -202,15 +237,14 @@ void prefill_attention_vec(const at::BFloat16* q_ptr, const at::BFloat16* k_ptr,
             for (int r = 0; r < kGroupRows; ++r) {
               for (int piece = 0; piece < 4; ++piece) s[r][piece] = _mm512_setzero_ps();
             }
-            for (int pair = 0; pair < kPairs; ++pair) {
-              const uint32_t* words = step_k + pair * 16;   // piece 0's 16 positions
-              __m512bh k[4];
+            for (int w = 0; w < kRowWords; ++w) {
+              __m512i k[4];
               for (int piece = 0; piece < 4; ++piece) {
-                k[piece] = (__m512bh)_mm512_loadu_si512(words + piece * kWords * 256);
+                k[piece] = _mm512_loadu_si512(step_k + (piece * kRowWords + w) * 16);
               }
               for (int r = 0; r < kGroupRows; ++r) {
-                const __m512bh q = (__m512bh)_mm512_set1_epi32(query[(r0 + r) * kPairs + pair]);
-                for (int piece = 0; piece < 4; ++piece) s[r][piece] = _mm512_dpbf16_ps(s[r][piece], q, k[piece]);
+                const __m512i q = _mm512_set1_epi32(query[(r0 + r) * kRowWords + w]);
+                for (int piece = 0; piece < 4; ++piece) s[r][piece] = word_products<T>(s[r][piece], q, k[piece]);
               }
             }
             for (int r = 0; r < kGroupRows; ++r) {
@@ -226,8 +260,7 @@ void prefill_attention_vec(const at::BFloat16* q_ptr, const at::BFloat16* k_ptr,
             softmax.row(scores + r * kPrefillStep, masked, first_pos + r, step_start, top[r], rescale[r], sums[r],
                         probs + r * kPrefillStep, probs + r * kPrefillStep + 32);
           }
-          const at::BFloat16* step_v = context.step_values(h, step);
-          const uint32_t* prob_pairs = reinterpret_cast<const uint32_t*>(probs);
+          const T* step_v = context.step_values(h, step);
           for (int64_t r0 = 0; r0 < padded_n; r0 += kGroupRows) {   // out [4 rows, 64 dims] += P x V
             for (int j0 = 0; j0 < kChunks; j0 += 4) {
               __m512 o[kGroupRows][4];
@@ -237,12 +270,14 @@ void prefill_attention_vec(const at::BFloat16* q_ptr, const at::BFloat16* k_ptr,
                   o[r][j] = _mm512_mul_ps(_mm512_load_ps(acc + (r0 + r) * DIM + 16 * (j0 + j)), keep);
                 }
               }
-              for (int pair = 0; pair < kPrefillStep / 2; ++pair) {
-                __m512bh v[4];
-                for (int j = 0; j < 4; ++j) v[j] = (__m512bh)_mm512_loadu_si512(step_v + ((j0 + j) * 32 + pair) * 32);
+              for (int g = 0; g < kStepWords; ++g) {
+                __m512i v[4];
+                for (int j = 0; j < 4; ++j) {
+                  v[j] = _mm512_loadu_si512(step_v + ((j0 + j) * kStepWords + g) * 16 * Context::kPer);
+                }
                 for (int r = 0; r < kGroupRows; ++r) {
-                  const __m512bh p = (__m512bh)_mm512_set1_epi32(prob_pairs[(r0 + r) * kPrefillStep / 2 + pair]);
-                  for (int j = 0; j < 4; ++j) o[r][j] = _mm512_dpbf16_ps(o[r][j], p, v[j]);
+                  const __m512i p = _mm512_set1_epi32(prob_words[(r0 + r) * kStepWords + g]);
+                  for (int j = 0; j < 4; ++j) o[r][j] = word_products<T>(o[r][j], p, v[j]);
                 }
               }
               for (int r = 0; r < kGroupRows; ++r) {
@@ -252,7 +287,7 @@ void prefill_attention_vec(const at::BFloat16* q_ptr, const at::BFloat16* k_ptr,
           }
         }
         for (int64_t r = 0; r < n; ++r) {
-          at::BFloat16* o = out_ptr + ((row0 + r) * heads + qh) * DIM;
+          T* o = out_ptr + ((row0 + r) * heads + qh) * DIM;
           const Vec inv(1.f / sums[r].reduce_add());
           for (int64_t d = 0; d < DIM; d += kLanes) store_float(Vec::loadu(acc + r * DIM + d) * inv, o + d);
         }
@@ -261,10 +296,11 @@ void prefill_attention_vec(const at::BFloat16* q_ptr, const at::BFloat16* k_ptr,
   });
 }
 #else
-constexpr bool kPrefillVec = false;
-template <int DIM>
-void prefill_attention_vec(const at::BFloat16*, const at::BFloat16*, const at::BFloat16*, const int64_t*, int64_t,
-                           int64_t, int64_t, int64_t, int64_t, float, int64_t, float, at::BFloat16*) {}
+#define BATCHRUN_PREFILL_BF16 0
+constexpr bool kPrefillFloat = false, kPrefillBf16 = false;
+template <typename T, int DIM>
+void prefill_attention_vec(const T*, const T*, const T*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                           float, int64_t, float, T*) {}
 #endif
 
 }  // namespace batchrun

@@ -50,7 +50,7 @@ void prefill_attention_amx(const at::BFloat16* q_ptr, const at::BFloat16* k_ptr,
   static_assert(DIM % 64 == 0);
   constexpr int kWords = DIM / 32, kChunks = DIM / 16;
   const int64_t group = heads / kv_heads, prefix = context_len - rows;
-  const PackedContext<DIM> context(k_ptr, v_ptr, table, block_size, kv_heads, context_len);
+  const PackedContext<at::BFloat16, DIM> context(k_ptr, v_ptr, table, block_size, kv_heads, context_len);
   const TaskPlan plan = prefill_tasks(rows, prefix, heads, window);
   const int64_t task_heads = heads / plan.split;
   const PrefillSoftmax softmax(scale, softcap, window);
