@@ -1,6 +1,6 @@
 """Prefill attention at bfloat16 and float32: the kernels over the paged blocks (bfloat16 on AVX512-BF16 dot products,
-and on AMX tiles where the CPU has them; float32 on AVX-512 FMA) against what the engine runs without them, torch's SDPA over the chunk's fresh K/V (no cached prefix)
-or over a gathered copy of the context (after a prefix).
+and on AMX tiles where the CPU has them; float32 on AVX-512 FMA) against what the engine runs without them, torch's
+SDPA over the chunk's fresh K/V (no cached prefix) or over a gathered copy of the context (after a prefix).
 
     python bench/prefill_attention.py [--threads 1] [--repeats 20]
 

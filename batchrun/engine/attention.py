@@ -13,8 +13,8 @@ class TorchAttentionBackend:
     """Decodes: on CPU the compiled kernel (batchrun/kernels/cpu_attention.py) over all decode requests at once, reading the
     paged pool in place; without it, the pure-torch path vectorised over groups of similar context length (so
     padding stays small). Prefill chunks one request at a time (few per step): with a bfloat16 cache on a CPU with
-    AVX512-BF16 (or AMX), the kernel's flash attention over the paged blocks; otherwise torch's SDPA (over the fresh
-    K/V, or a gathered copy after a cached prefix)."""
+    AVX512-BF16 (or AMX), or a float32 one on AVX-512, the kernel's flash attention over the paged blocks; otherwise
+    torch's SDPA (over the fresh K/V, or a gathered copy after a cached prefix)."""
 
     name = "torch"
 
