@@ -12,9 +12,11 @@ from batchrun.kernels import amx_linear, cpu_attention, lora_expand, rotate_quan
 
 KERNELS = {"cpu_attention": cpu_attention._kernel, "rotate_quant": rotate_quant._kernel,
            "lora_expand": lora_expand._kernel, "amx_linear": amx_linear._kernel}
+COMPILER = os.environ.get("CXX", "c++")   # as torch's cpp_extension picks it
+needs_compiler = pytest.mark.skipif(shutil.which(COMPILER) is None, reason="no C++ compiler here")
 
 
-@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler here")
+@needs_compiler
 @pytest.mark.skipif(os.environ.get("BATCHRUN_CPU_KERNELS", "1") == "0", reason="kernels turned off")
 @pytest.mark.parametrize("name", sorted(KERNELS))
 def test_kernel_builds_on_this_cpu(name):
@@ -25,7 +27,7 @@ def test_kernel_builds_on_this_cpu(name):
 TARGETS = {"avx2": ("haswell", "AVX2"), "avx512": ("skylake-avx512", "AVX512"), "amx": ("sapphirerapids", "AVX512")}
 
 
-@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler here")
+@needs_compiler
 def test_attention_kernel_compiles_for_other_cpus():
     """cpu_attention.cpp for an AVX2 CPU, an AVX-512 one without BF16, and one with AMX (g++ -fsyntax-only with
     each -march and the CPU_CAPABILITY macro cpp_build.py would pass), whatever this machine is."""
@@ -35,7 +37,7 @@ def test_attention_kernel_compiles_for_other_cpus():
     source = Path(cpu_attention.__file__).with_name("cpu_attention.cpp")
     includes = [f"-I{path}" for path in [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]]
     runs = {name: subprocess.Popen(
-        [os.environ.get("CXX", "c++"), "-fsyntax-only", "-std=c++20", f"-march={march}", "-fopenmp",
+        [COMPILER, "-fsyntax-only", "-std=c++20", f"-march={march}", "-fopenmp",
          f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}", "-DTORCH_EXTENSION_NAME=check",
          *includes, str(source)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for name, (march, capability) in TARGETS.items()}

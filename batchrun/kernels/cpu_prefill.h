@@ -159,6 +159,70 @@ struct PrefillSoftmax {
 #endif
 };
 
+// A thread's task as it runs: its rows (16 query rows from row0, n of them real, at positions first_pos..last_pos)
+// and, for the query head at hand, each row's output so far and its softmax's running max, rescale and sum.
+template <int DIM>
+struct PrefillRows {
+  int64_t window, row0 = 0, n = 0, first_pos = 0, last_pos = 0;
+  alignas(64) float acc[kPrefillRows * DIM];
+  float top[kPrefillRows], rescale[kPrefillRows];
+  Vec sums[kPrefillRows];   // per row, the softmax's running sum in 16 lanes (one reduction at the end)
+
+  explicit PrefillRows(int64_t window_) : window(window_) {}
+
+  // the task's rows: row block `block` of a chunk of `rows` rows after `prefix` cached positions
+  void start_task(int64_t block, int64_t rows, int64_t prefix) {
+    row0 = block * kPrefillRows, n = std::min(kPrefillRows, rows - row0);
+    first_pos = prefix + row0, last_pos = first_pos + n - 1;
+  }
+  // the first step any row reads, and whether a step is past the last
+  int64_t first_step() const {
+    return (window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0) / kPrefillStep;
+  }
+  bool past(int64_t step) const { return step * kPrefillStep > last_pos; }
+  // only the steps on the rows' diagonal (or their window's edge) hold positions some row may not read
+  bool masked(int64_t step_start) const {
+    return step_start + kPrefillStep - 1 > first_pos || (window > 0 && step_start < last_pos - window + 1);
+  }
+
+  // query head qh's rows into `query` (`count` rows of DIM, those past n zero), the running state reset
+  template <typename T>
+  void start_head(const T* q_ptr, int64_t heads, int64_t qh, int64_t count, T* query) {
+    for (int64_t r = 0; r < count; ++r) {
+      if (r < n) {
+        std::memcpy(query + r * DIM, q_ptr + ((row0 + r) * heads + qh) * DIM, DIM * sizeof(T));
+      } else {
+        std::memset(query + r * DIM, 0, DIM * sizeof(T));
+      }
+    }
+    std::fill(acc, acc + kPrefillRows * DIM, 0.f);
+    std::fill(top, top + kPrefillRows, -std::numeric_limits<float>::infinity());
+    std::fill(rescale, rescale + kPrefillRows, 1.f);
+    std::fill(sums, sums + kPrefillRows, Vec(0.f));
+  }
+
+  // the step's softmax for each real row: row r's probabilities at lo + r * stride (positions 0-31), hi + r * stride
+  template <typename P>
+  void softmax_step(const PrefillSoftmax& softmax, const float* scores, int64_t step_start, P* lo, P* hi,
+                    int64_t stride) {
+    const bool some_masked = masked(step_start);
+    for (int64_t r = 0; r < n; ++r) {
+      softmax.row(scores + r * kPrefillStep, some_masked, first_pos + r, step_start, top[r], rescale[r], sums[r],
+                  lo + r * stride, hi + r * stride);
+    }
+  }
+
+  // each real row's output, acc / its sum, into out [rows, heads, DIM] at query head qh
+  template <typename T>
+  void finish_head(T* out_ptr, int64_t heads, int64_t qh) const {
+    for (int64_t r = 0; r < n; ++r) {
+      T* o = out_ptr + ((row0 + r) * heads + qh) * DIM;
+      const Vec inv(1.f / sums[r].reduce_add());
+      for (int64_t d = 0; d < DIM; d += kLanes) store_float(Vec::loadu(acc + r * DIM + d) * inv, o + d);
+    }
+  }
+};
+
 // acc + the products of a broadcast word with a vector of 16 words, summed per lane: float32 on FMA, a bfloat16
 // pair on AVX512-BF16's dot instruction.
 template <typename T>
@@ -205,31 +269,19 @@ void prefill_attention_vec(const T* q_ptr, const T* k_ptr, const T* v_ptr, const
     alignas(64) uint32_t query[kPrefillRows * kRowWords];   // the rows' query in words
     alignas(64) float scores[kPrefillRows * kPrefillStep];
     alignas(64) T probs[kPrefillRows * kPrefillStep];
-    alignas(64) float acc[kPrefillRows * DIM];
-    float top[kPrefillRows], rescale[kPrefillRows];
-    Vec sums[kPrefillRows];
+    PrefillRows<DIM> task_rows(window);
+    float* acc = task_rows.acc;
+    const float* rescale = task_rows.rescale;
     const uint32_t* prob_words = reinterpret_cast<const uint32_t*>(probs);
     for (int64_t i = plan.offsets[begin]; i < plan.offsets[end]; ++i) {
-      const int64_t task = plan.order[i], row0 = task / plan.split * kPrefillRows;
-      const int64_t n = std::min(kPrefillRows, rows - row0);   // real rows in the task
-      const int64_t padded_n = (n + kGroupRows - 1) / kGroupRows * kGroupRows;
-      const int64_t first_pos = prefix + row0, last_pos = first_pos + n - 1;
-      const int64_t first_lo = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+      const int64_t task = plan.order[i];
+      task_rows.start_task(task / plan.split, rows, prefix);
+      const int64_t padded_n = (task_rows.n + kGroupRows - 1) / kGroupRows * kGroupRows;
       std::memset(probs, 0, sizeof(probs));   // rows past n stay zero
       for (int64_t qh = (task % plan.split) * task_heads; qh < (task % plan.split + 1) * task_heads; ++qh) {
         const int64_t h = qh / group;
-        for (int64_t r = 0; r < padded_n; ++r) {
-          if (r < n) {
-            std::memcpy(query + r * kRowWords, q_ptr + ((row0 + r) * heads + qh) * DIM, DIM * sizeof(T));
-          } else {
-            std::memset(query + r * kRowWords, 0, DIM * sizeof(T));
-          }
-        }
-        std::fill(acc, acc + kPrefillRows * DIM, 0.f);
-        std::fill(top, top + kPrefillRows, -std::numeric_limits<float>::infinity());
-        std::fill(rescale, rescale + kPrefillRows, 1.f);
-        std::fill(sums, sums + kPrefillRows, Vec(0.f));
-        for (int64_t step = first_lo / kPrefillStep; step * kPrefillStep <= last_pos; ++step) {
+        task_rows.start_head(q_ptr, heads, qh, padded_n, reinterpret_cast<T*>(query));
+        for (int64_t step = task_rows.first_step(); !task_rows.past(step); ++step) {
           const int64_t step_start = step * kPrefillStep;
           const uint32_t* step_k = context.step_keys(h, step);
           for (int64_t r0 = 0; r0 < padded_n; r0 += kGroupRows) {   // scores [4 rows, 64 positions]
@@ -253,13 +305,7 @@ void prefill_attention_vec(const T* q_ptr, const T* k_ptr, const T* v_ptr, const
               }
             }
           }
-          // only the steps on the rows' diagonal (or their window's edge) hold positions some row may not read
-          const bool masked = step_start + kPrefillStep - 1 > first_pos ||
-                              (window > 0 && step_start < last_pos - window + 1);
-          for (int64_t r = 0; r < n; ++r) {
-            softmax.row(scores + r * kPrefillStep, masked, first_pos + r, step_start, top[r], rescale[r], sums[r],
-                        probs + r * kPrefillStep, probs + r * kPrefillStep + 32);
-          }
+          task_rows.softmax_step(softmax, scores, step_start, probs, probs + 32, kPrefillStep);
           const T* step_v = context.step_values(h, step);
           for (int64_t r0 = 0; r0 < padded_n; r0 += kGroupRows) {   // out [4 rows, 64 dims] += P x V
             for (int j0 = 0; j0 < kChunks; j0 += 4) {
@@ -286,11 +332,7 @@ void prefill_attention_vec(const T* q_ptr, const T* k_ptr, const T* v_ptr, const
             }
           }
         }
-        for (int64_t r = 0; r < n; ++r) {
-          T* o = out_ptr + ((row0 + r) * heads + qh) * DIM;
-          const Vec inv(1.f / sums[r].reduce_add());
-          for (int64_t d = 0; d < DIM; d += kLanes) store_float(Vec::loadu(acc + r * DIM + d) * inv, o + d);
-        }
+        task_rows.finish_head(out_ptr, heads, qh);
       }
     }
   });

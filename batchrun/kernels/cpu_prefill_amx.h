@@ -60,30 +60,17 @@ void prefill_attention_amx(const at::BFloat16* q_ptr, const at::BFloat16* k_ptr,
     alignas(64) at::BFloat16 query[kPrefillRows * DIM];
     alignas(64) float scores[kPrefillRows * kPrefillStep], part[4 * kPrefillRows * 16];
     alignas(64) at::BFloat16 probs[kPrefillRows * 32], probs2[kPrefillRows * 32];   // positions 0-31, 32-63
-    alignas(64) float acc[kPrefillRows * DIM];
-    float top[kPrefillRows], rescale[kPrefillRows];
-    Vec sums[kPrefillRows];   // per row, the softmax's running sum in 16 lanes (one reduction at the end)
+    PrefillRows<DIM> task_rows(window);
+    float* acc = task_rows.acc;
     for (int64_t i = plan.offsets[begin]; i < plan.offsets[end]; ++i) {
-      const int64_t task = plan.order[i], t = task / plan.split, row0 = t * kPrefillRows;
-      const int64_t n = std::min(kPrefillRows, rows - row0);   // real rows in the tile; the others stay zero
-      const int64_t first_pos = prefix + row0, last_pos = first_pos + n - 1;
-      const int64_t first_lo = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+      const int64_t task = plan.order[i];
+      task_rows.start_task(task / plan.split, rows, prefix);
       std::memset(probs, 0, sizeof(probs));
       std::memset(probs2, 0, sizeof(probs2));
       for (int64_t qh = (task % plan.split) * task_heads; qh < (task % plan.split + 1) * task_heads; ++qh) {
         const int64_t h = qh / group;
-        for (int64_t r = 0; r < kPrefillRows; ++r) {
-          if (r < n) {
-            std::memcpy(query + r * DIM, q_ptr + ((row0 + r) * heads + qh) * DIM, DIM * sizeof(at::BFloat16));
-          } else {
-            std::memset(query + r * DIM, 0, DIM * sizeof(at::BFloat16));
-          }
-        }
-        std::fill(acc, acc + kPrefillRows * DIM, 0.f);
-        std::fill(top, top + kPrefillRows, -std::numeric_limits<float>::infinity());
-        std::fill(rescale, rescale + kPrefillRows, 1.f);
-        std::fill(sums, sums + kPrefillRows, Vec(0.f));
-        for (int64_t step = first_lo / kPrefillStep; step * kPrefillStep <= last_pos; ++step) {
+        task_rows.start_head(q_ptr, heads, qh, kPrefillRows, query);   // a whole tile, the rows past n zero
+        for (int64_t step = task_rows.first_step(); !task_rows.past(step); ++step) {
           const int64_t step_start = step * kPrefillStep;
           const uint32_t* step_k = context.step_keys(h, step);
           _tile_zero(BATCHRUN_PF_ACC0);
@@ -105,13 +92,7 @@ void prefill_attention_amx(const at::BFloat16* q_ptr, const at::BFloat16* k_ptr,
           _tile_stored(BATCHRUN_PF_ACC1, scores + 16, 4 * 64);
           _tile_stored(BATCHRUN_PF_ACC2, scores + 32, 4 * 64);
           _tile_stored(BATCHRUN_PF_ACC3, scores + 48, 4 * 64);
-          // only the steps on the tile's diagonal (or its rows' window edge) hold positions some row may not read
-          const bool masked = step_start + kPrefillStep - 1 > first_pos ||
-                              (window > 0 && step_start < last_pos - window + 1);
-          for (int64_t r = 0; r < n; ++r) {
-            softmax.row(scores + r * kPrefillStep, masked, first_pos + r, step_start, top[r], rescale[r], sums[r],
-                        probs + r * 32, probs2 + r * 32);
-          }
+          task_rows.softmax_step(softmax, scores, step_start, probs, probs2, 32);
           _tile_loadd(BATCHRUN_PF_PROBS, probs, 64);
           _tile_loadd(BATCHRUN_PF_PROBS2, probs2, 64);
           const at::BFloat16* step_v = context.step_values(h, step);
@@ -124,8 +105,8 @@ void prefill_attention_amx(const at::BFloat16* q_ptr, const at::BFloat16* k_ptr,
             _tile_stored(BATCHRUN_PF_ACC1, part + 256, 64);
             _tile_stored(BATCHRUN_PF_ACC2, part + 512, 64);
             _tile_stored(BATCHRUN_PF_ACC3, part + 768, 64);
-            for (int64_t r = 0; r < n; ++r) {
-              const Vec keep(rescale[r]);
+            for (int64_t r = 0; r < task_rows.n; ++r) {
+              const Vec keep(task_rows.rescale[r]);
               for (int jj = 0; jj < 4; ++jj) {
                 float* a = acc + r * DIM + 16 * (j0 + jj);
                 at::vec::fmadd(Vec::loadu(a), keep, Vec::loadu(part + jj * 256 + r * 16)).store(a);
@@ -133,11 +114,7 @@ void prefill_attention_amx(const at::BFloat16* q_ptr, const at::BFloat16* k_ptr,
             }
           }
         }
-        for (int64_t r = 0; r < n; ++r) {
-          at::BFloat16* o = out_ptr + ((row0 + r) * heads + qh) * DIM;
-          const Vec inv(1.f / sums[r].reduce_add());
-          for (int64_t d = 0; d < DIM; d += kLanes) store_float(Vec::loadu(acc + r * DIM + d) * inv, o + d);
-        }
+        task_rows.finish_head(out_ptr, heads, qh);
       }
     }
     _tile_release();
