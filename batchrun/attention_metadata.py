@@ -20,6 +20,14 @@ class PrefillChunk:
 
 
 @dataclass
+class SharedPrefix:
+    """Leading blocks that several decode requests share (engine/shared_prefix.py)."""
+    rows: torch.Tensor          # the decode group's rows that share it
+    length: int                 # positions, whole blocks
+    block_table: torch.Tensor   # its blocks
+
+
+@dataclass
 class DecodeGroup:
     """Consecutive decode requests of similar context length, padded together to `max_len`."""
     start: int
@@ -27,6 +35,10 @@ class DecodeGroup:
     block_tables: torch.Tensor   # [end - start, max_blocks]
     context_lens: torch.Tensor   # [end - start], the new token included
     max_len: int
+    # for backends that read shared prefixes apart (reads_shared_prefixes): the prefixes, and where each row's own
+    # positions start (None: no prefix found)
+    shared_prefixes: list[SharedPrefix] = field(default_factory=list)
+    own_starts: torch.Tensor | None = None
 
 
 @dataclass

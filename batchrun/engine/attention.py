@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from batchrun.attention_metadata import AttentionMetadata
+from batchrun.attention_metadata import AttentionMetadata, DecodeGroup
 from batchrun.engine import row_attention
 from batchrun.engine.kv_cache import LayerCache
 from batchrun.kernels import cpu_attention, reference
@@ -12,7 +12,9 @@ from batchrun.kernels import cpu_attention, reference
 class TorchAttentionBackend:
     """Decodes: on CPU the compiled kernel (batchrun/kernels/cpu_attention.py) over all decode requests at once, reading the
     paged pool in place; without it, the pure-torch path vectorised over groups of similar context length (so
-    padding stays small). Prefill chunks one request at a time (few per step): with a bfloat16 cache on a CPU with
+    padding stays small); decode requests that share a cached prefix (engine/shared_prefix.py) read it once, all
+    together, where the prefill kernel below runs. Prefill chunks one request at a time (few per step): with a
+    bfloat16 cache on a CPU with
     AVX512-BF16 (or AMX), or a float32 one on AVX-512, the kernel's flash attention over the paged blocks; otherwise
     torch's SDPA (over the fresh K/V, or a gathered copy after a cached prefix)."""
 
@@ -24,6 +26,7 @@ class TorchAttentionBackend:
         # The kernel walks each request's own length: one decode group, no padding to split on.
         self.pads_decodes = self.kernel is None
         self.deterministic = deterministic   # every row as a decode of its own (engine/row_attention.py)
+        self.reads_shared_prefixes = self.kernel is not None and not deterministic
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: LayerCache,
                 meta: AttentionMetadata, scale: float, window: int | None = None,
@@ -36,6 +39,11 @@ class TorchAttentionBackend:
             return self._row_wise(query, cache, meta, scale, window, softcap)
         out = torch.empty_like(query)
         for group in meta.decode_groups:
+            if (group.shared_prefixes and k_scale is None and not window
+                    and cpu_attention.prefill_supported(query, k)):
+                out[group.start:group.end] = self._decode_with_shared_prefixes(query[group.start:group.end], k, v,
+                                                                               group, scale, softcap)
+                continue
             if self.kernel is not None:
                 out[group.start:group.end] = cpu_attention.paged_decode_attention(
                     query[group.start:group.end], k, v, group.block_tables, group.context_lens, scale, k_scale,
@@ -63,6 +71,18 @@ class TorchAttentionBackend:
                 continue
             out[rows] = reference.paged_prefill_attention(query[rows], k, v, chunk.block_table, chunk.context_len,
                                                           scale, k_scale, v_scale, window, softcap)
+        return out
+
+    @staticmethod
+    def _decode_with_shared_prefixes(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: DecodeGroup,
+                                     scale: float, softcap: float | None) -> torch.Tensor:
+        """Each shared prefix once for all its requests, each request's own positions apart, the parts merged."""
+        out, lse = cpu_attention.decode_attention_from(query, k, v, group.block_tables, group.context_lens,
+                                                       group.own_starts, scale, softcap)
+        for prefix in group.shared_prefixes:
+            part, part_lse = cpu_attention.shared_prefix_attention(query[prefix.rows], k, v, prefix.block_table,
+                                                                   prefix.length, scale, softcap)
+            out[prefix.rows] = cpu_attention.merge_parts(part, part_lse, out[prefix.rows], lse[prefix.rows])
         return out
 
     def _row_wise(self, query: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, scale: float,

@@ -8,6 +8,7 @@ import torch
 from batchrun.attention_metadata import AttentionMetadata, DecodeGroup, PrefillChunk, Segment
 from batchrun.engine.kv_cache import KVPool
 from batchrun.engine.request import Request
+from batchrun.engine.shared_prefix import find_shared_prefixes
 from batchrun.engine.sampler import token_logprobs
 from batchrun.engine.scheduler import StepPlan
 from batchrun.kernels import quant
@@ -95,8 +96,11 @@ class ModelRunner:
         tables = [r.block_table for r in requests[start:end]]
         width = max(map(len, tables))
         lens = [r.num_computed_tokens + 1 for r in requests[start:end]]
-        return DecodeGroup(start, end, torch.tensor([t + [0] * (width - len(t)) for t in tables], device=self.device),
-                           torch.tensor(lens, device=self.device), max(lens))
+        group = DecodeGroup(start, end, torch.tensor([t + [0] * (width - len(t)) for t in tables], device=self.device),
+                            torch.tensor(lens, device=self.device), max(lens))
+        if self.model.model.layers[0].self_attn.backend.reads_shared_prefixes:
+            group.shared_prefixes, group.own_starts = find_shared_prefixes(tables, lens, self.block_size, self.device)
+        return group
 
     def _span(self, request: Request, n: int) -> tuple[Request, int, int]:
         """(request, first position, tokens) to compute: the planned n tokens, or the whole request again where the

@@ -60,6 +60,7 @@ class TritonAttentionBackend:
 
     name = "triton"
     pads_decodes = False   # takes every decode request in one padded table
+    reads_shared_prefixes = False
 
     def __init__(self, device: torch.device, deterministic: bool = False):
         self.deterministic = deterministic   # every row a decode of its own, fixed KV splits (row_attention.py)

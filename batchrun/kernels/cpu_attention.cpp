@@ -7,6 +7,9 @@
 // (float32, float16, bfloat16, int8 or fp8 e4m3); k_scale/v_scale [N, block_size, Hkv] float32 for 8-bit codes
 // (undefined otherwise); block_tables [B, W] int64; context_lens [B] int64 (the new token included); window W > 0
 // reads only the last W positions (0: all); softcap c > 0 turns scores into c * tanh(scores / c) (0: none).
+// starts [B] int64, where given: request b reads its positions from starts[b] on (the engine attends a prefix that
+// several requests share once for all of them: paged_prefix_attention), and its log-sum-exp per query head comes
+// back in lse [B, H] float32 so that the two parts merge.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -28,6 +31,19 @@ namespace {
 using batchrun::kLanes;
 using batchrun::padded;
 
+// One call's operands, as the binding received them (see the top of this file).
+struct DecodeCall {
+  const torch::Tensor &query, &k_cache, &v_cache;
+  const c10::optional<torch::Tensor>&k_scale, &v_scale;
+  const torch::Tensor &block_tables, &context_lens;
+  const int64_t* starts;   // null: every position
+  double scale;
+  int64_t window;
+  double softcap;
+  torch::Tensor& out;
+  float* lse;              // null: not wanted
+};
+
 // DIM > 0 fixes head_dim at compile time (unrolled inner loops, accumulators in registers); 0 reads it at run
 // time. T: the cache's element type, Q: the query's and output's.
 //
@@ -38,10 +54,9 @@ using batchrun::padded;
 // all its KV heads (its blocks are then read as contiguous runs) or one (request, KV head), dealt out to the
 // threads by its context (task_balance.h).
 template <typename T, typename Q, int DIM>
-void decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                      const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale,
-                      const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale,
-                      int64_t window, double softcap, torch::Tensor& out) {
+void decode_attention(const DecodeCall& call) {
+  const auto& [query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, starts, scale, window, softcap,
+               out, lse] = call;
   using batchrun::Vec;
   const int64_t batch = query.size(0), heads = query.size(1), dim = DIM > 0 ? DIM : query.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2), group = heads / kv_heads;
@@ -67,7 +82,8 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache, 
   const Vec score_scale(kDots ? static_cast<float>(scale) : 1.f);   // otherwise folded into the float query
 #if BATCHRUN_AMX_BUILD   // (the AMX names exist only in such a build: a discarded branch still looks them up)
   if constexpr (kDots && DIM % 64 == 0) {   // the scores on AMX tiles, where the CPU has them
-    if (batchrun::amx_ready() && block_size % batchrun::kTileRows == 0 && group <= batchrun::kTileRows) {
+    if (starts == nullptr && batchrun::amx_ready() && block_size % batchrun::kTileRows == 0 &&
+        group <= batchrun::kTileRows) {
       return batchrun::decode_attention_amx<DIM>(
           reinterpret_cast<const at::BFloat16*>(q_ptr), reinterpret_cast<const at::BFloat16*>(k_ptr),
           reinterpret_cast<const at::BFloat16*>(v_ptr), tables, lens, batch, heads, kv_heads, block_size, width,
@@ -91,7 +107,7 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache, 
 #endif
     for (int64_t i = plan.offsets[begin]; i < plan.offsets[end]; ++i) {
       const int64_t task = plan.order[i], b = task / split, h_lo = (task % split) * task_heads, end_pos = lens[b];
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, end_pos - window) : 0;
+      const int64_t lo = std::max<int64_t>(window > 0 ? end_pos - window : 0, starts != nullptr ? starts[b] : 0);
       const Q* q_row = q_ptr + (b * heads + h_lo * group) * dim;
       for (int64_t g = 0; g < qheads && !kDots; ++g) {   // the query once to float32, scale folded in
         batchrun::row_to_float(q_row + g * dim, qs.data() + g * pdim, dim, static_cast<float>(scale));
@@ -211,6 +227,7 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache, 
         Q* o = out_ptr + (b * heads + h_lo * group + qh) * dim;
         const float* a = acc.data() + qh * pdim;
         const float inv = 1.f / total[qh];
+        if (lse != nullptr) lse[b * heads + h_lo * group + qh] = top[qh] + std::log(total[qh]);
         if constexpr (kDots) {   // back from bf16_accumulate's element order
           for (int64_t i = 0; i < dim; ++i) ordered[batchrun::bf16_slot(i)] = a[i];
           a = ordered.data();
@@ -224,89 +241,86 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache, 
 }
 
 template <typename T, typename Q>
-void dispatch_dim(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                  const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale,
-                  const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale,
-                  int64_t window, double softcap, torch::Tensor& out) {
-  switch (query.size(2)) {
+void dispatch_dim(const DecodeCall& call) {
+  switch (call.query.size(2)) {
     case 64:
-      return decode_attention<T, Q, 64>(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens,
-                                        scale, window, softcap, out);
+      return decode_attention<T, Q, 64>(call);
     case 128:
-      return decode_attention<T, Q, 128>(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens,
-                                         scale, window, softcap, out);
+      return decode_attention<T, Q, 128>(call);
     default:
-      return decode_attention<T, Q, 0>(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens,
-                                       scale, window, softcap, out);
+      return decode_attention<T, Q, 0>(call);
   }
 }
 
 template <typename T>
-void dispatch_query(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                    const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale,
-                    const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale,
-                    int64_t window, double softcap, torch::Tensor& out) {
-  switch (query.scalar_type()) {
+void dispatch_query(const DecodeCall& call) {
+  switch (call.query.scalar_type()) {
     case torch::kFloat32:
-      return dispatch_dim<T, float>(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale,
-                                    window, softcap, out);
+      return dispatch_dim<T, float>(call);
     case torch::kBFloat16:
-      return dispatch_dim<T, at::BFloat16>(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens,
-                                           scale, window, softcap, out);
+      return dispatch_dim<T, at::BFloat16>(call);
     case torch::kFloat16:
-      return dispatch_dim<T, at::Half>(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens,
-                                       scale, window, softcap, out);
+      return dispatch_dim<T, at::Half>(call);
     default:
-      TORCH_CHECK(false, "query: unsupported dtype ", query.scalar_type());
+      TORCH_CHECK(false, "query: unsupported dtype ", call.query.scalar_type());
   }
 }
 
 }  // namespace
 
-torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale,
-                                     int64_t window, double softcap) {
+// (out, lse): lse [B, H] float32 where `starts` is given, else empty.
+std::tuple<torch::Tensor, torch::Tensor> paged_decode_attention(
+    torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache, c10::optional<torch::Tensor> k_scale,
+    c10::optional<torch::Tensor> v_scale, torch::Tensor block_tables, torch::Tensor context_lens,
+    c10::optional<torch::Tensor> starts, double scale, int64_t window, double softcap) {
   TORCH_CHECK(query.is_contiguous(), "query: contiguous");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "k_cache/v_cache: contiguous");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && block_tables.is_contiguous(), "block_tables: int64");
   TORCH_CHECK(context_lens.scalar_type() == torch::kInt64 && context_lens.is_contiguous(), "context_lens: int64");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
+  torch::Tensor lse;
+  if (starts) {
+    TORCH_CHECK(starts->scalar_type() == torch::kInt64 && starts->is_contiguous() &&
+                    starts->numel() == context_lens.numel(), "starts: int64, one per request");
+    TORCH_CHECK(((*starts >= 0) & (*starts < context_lens)).all().item<bool>(),
+                "starts: each request must read at least one position");
+    lse = torch::empty({query.size(0), query.size(1)}, query.options().dtype(torch::kFloat));
+  }
   auto out = torch::empty_like(query);
+  const DecodeCall call{query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens,
+                        starts ? starts->data_ptr<int64_t>() : nullptr, scale, window, softcap, out,
+                        starts ? lse.data_ptr<float>() : nullptr};
   switch (k_cache.scalar_type()) {
     case torch::kFloat32:
-      dispatch_query<float>(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale, window,
-                            softcap, out);
+      dispatch_query<float>(call);
       break;
     case torch::kFloat16:
-      dispatch_query<at::Half>(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale, window,
-                               softcap, out);
+      dispatch_query<at::Half>(call);
       break;
     case torch::kBFloat16:
-      dispatch_query<at::BFloat16>(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale,
-                                   window, softcap, out);
+      dispatch_query<at::BFloat16>(call);
       break;
     case torch::kInt8:
-      dispatch_query<int8_t>(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale, window,
-                             softcap, out);
+      dispatch_query<int8_t>(call);
       break;
     case torch::kFloat8_e4m3fn:
-      dispatch_query<c10::Float8_e4m3fn>(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens,
-                                         scale, window, softcap, out);
+      dispatch_query<c10::Float8_e4m3fn>(call);
       break;
     default:
       TORCH_CHECK(false, "k_cache: unsupported dtype ", k_cache.scalar_type());
   }
-  return out;
+  return {out, lse};
 }
 
 // One request's prefill chunk, query [L, H, D] bfloat16 or float32 (positions context_len - L .. context_len - 1),
 // over its context in a pool of the same dtype (the chunk's K/V written there first): bfloat16 on AMX tiles where
 // `tiles` (cpu_prefill_amx.h), else on AVX-512 vectors (cpu_prefill.h). Only where prefill_ready(bfloat16) (tiles:
-// prefill_amx_ready()) and head_dim is 64 or 128.
-torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                                      torch::Tensor block_table, int64_t context_len, double scale, int64_t window,
-                                      double softcap, bool tiles) {
+// prefill_amx_ready()) and head_dim is 64 or 128. Not `causal`: L requests' decode queries, each reading all
+// context_len positions (the prefix they share); then lse [L, H] float32 comes back too (else it is empty).
+std::tuple<torch::Tensor, torch::Tensor> paged_prefill_attention(torch::Tensor query, torch::Tensor k_cache,
+                                                                 torch::Tensor v_cache, torch::Tensor block_table,
+                                                                 int64_t context_len, double scale, int64_t window,
+                                                                 double softcap, bool tiles, bool causal) {
   const bool bf16 = query.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(query.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous tensors");
   TORCH_CHECK((bf16 || query.scalar_type() == torch::kFloat) && k_cache.scalar_type() == query.scalar_type() &&
@@ -317,15 +331,18 @@ torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor k_cache
   TORCH_CHECK(block_table.scalar_type() == torch::kInt64 && block_table.is_contiguous(), "block_table: int64");
   const int64_t rows = query.size(0), heads = query.size(1), dim = query.size(2), kv_heads = k_cache.size(2);
   TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(rows <= context_len && (context_len + k_cache.size(1) - 1) / k_cache.size(1) <= block_table.size(0),
+  TORCH_CHECK(causal || window == 0, "a window needs causal rows");
+  TORCH_CHECK((!causal || rows <= context_len) && context_len > 0 && (context_len + k_cache.size(1) - 1) / k_cache.size(1) <= block_table.size(0),
               "context_len: more positions than the chunk and its block table hold");
   TORCH_CHECK(dim == 64 || dim == 128, "prefill attention: head_dim 64 or 128, got ", dim);
   auto out = torch::empty_like(query);
+  torch::Tensor lse;
+  if (!causal) lse = torch::empty({rows, heads}, query.options().dtype(torch::kFloat));
   auto run = [&](auto kernel, auto element) {
     using T = decltype(element);
     kernel(query.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), block_table.data_ptr<int64_t>(), rows,
            context_len, heads, kv_heads, k_cache.size(1), static_cast<float>(scale), window,
-           static_cast<float>(softcap), out.data_ptr<T>());
+           static_cast<float>(softcap), causal, out.data_ptr<T>(), causal ? nullptr : lse.data_ptr<float>());
   };
   using at::BFloat16;
   if (tiles) {
@@ -338,7 +355,7 @@ torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor k_cache
   } else {
     run(dim == 64 ? batchrun::prefill_attention_vec<float, 64> : batchrun::prefill_attention_vec<float, 128>, 0.f);
   }
-  return out;
+  return {out, lse};
 }
 
 // (split, order, offsets) of balance_tasks, for tests.

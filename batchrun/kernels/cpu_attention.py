@@ -39,9 +39,42 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Same contract as reference.paged_decode_attention; call only when load() returned a module."""
     q = query.contiguous() if query.dtype in _QUERY_DTYPES else query.float().contiguous()
-    out = _kernel.module.paged_decode_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables.long().contiguous(),
-                                         context_lens.long().contiguous(), scale, window or 0, softcap or 0.0)
+    out, _ = _kernel.module.paged_decode_attention(q, k_cache, v_cache, k_scale, v_scale,
+                                                   block_tables.long().contiguous(), context_lens.long().contiguous(),
+                                                   None, scale, window or 0, softcap or 0.0)
     return out.to(query.dtype)
+
+
+def decode_attention_from(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, context_lens: torch.Tensor, starts: torch.Tensor, scale: float,
+                          softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention over request b's positions from starts[b] on (0 <= starts[b] < context_lens[b]), 16-bit or
+    float32 cache: (out [B, H, D], lse [B, H] float32), to merge with shared_prefix_attention's part."""
+    return _kernel.module.paged_decode_attention(query.contiguous(), k_cache, v_cache, None, None,
+                                                 block_tables.long().contiguous(), context_lens.long().contiguous(),
+                                                 starts.long().contiguous(), scale, 0, softcap or 0.0)
+
+
+def shared_prefix_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_table: torch.Tensor, prefix_len: int, scale: float,
+                            softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """query [n, H, D]: n requests' decode queries, each over the same prefix_len positions (the blocks of
+    block_table that they share), as one product where a decode reads the prefix once per request: (out, lse [n, H]
+    float32). Only where prefill_supported()."""
+    tiles = query.dtype == torch.bfloat16 and _kernel.module.prefill_amx_ready()
+    return _kernel.module.paged_prefill_attention(query.contiguous(), k_cache, v_cache,
+                                                  block_table.long().contiguous(), prefix_len, scale, 0,
+                                                  softcap or 0.0, tiles, False)
+
+
+def merge_parts(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
+    """Attention over two disjoint sets of positions merged into attention over both, by their log-sum-exps
+    ([n, H]) weighing their outputs ([n, H, D]); in out_a's dtype."""
+    top = torch.maximum(lse_a, lse_b)
+    weight_a, weight_b = (lse_a - top).exp_(), (lse_b - top).exp_()
+    total = weight_a + weight_b
+    merged = out_a.float() * (weight_a / total).unsqueeze(-1) + out_b.float() * (weight_b / total).unsqueeze(-1)
+    return merged.to(out_a.dtype)
 
 
 def prefill_supported(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -60,5 +93,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     instruction (tiles=False picks it on an AMX CPU too: tests, A/B); float32 on AVX-512 FMA."""
     if tiles is None:
         tiles = query.dtype == torch.bfloat16 and _kernel.module.prefill_amx_ready()
-    return _kernel.module.paged_prefill_attention(query.contiguous(), k_cache, v_cache, block_table.long().contiguous(),
-                                                  context_len, scale, window or 0, softcap or 0.0, tiles)
+    out, _ = _kernel.module.paged_prefill_attention(query.contiguous(), k_cache, v_cache,
+                                                    block_table.long().contiguous(), context_len, scale, window or 0,
+                                                    softcap or 0.0, tiles, True)
+    return out

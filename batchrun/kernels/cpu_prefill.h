@@ -5,7 +5,9 @@
 // instruction, float32 on FMA); cpu_prefill_amx.h runs bfloat16's products on AMX tiles.
 //
 // query [L, H, D]: the rows of positions context_len - L .. context_len - 1. Each query row attends to the
-// positions up to its own (within the last `window` when window > 0); scale and softcap as in decode.
+// positions up to its own (within the last `window` when window > 0); scale and softcap as in decode. Not causal
+// (`causal` false), every row reads the whole context instead: the decode queries of several requests over the
+// prefix they share (the engine then merges each with its request's own positions by the log-sum-exp `lse`).
 //
 // First, per KV head, the context's K and V are packed from the pool into the products' layouts, once for all the
 // rows that read them, in 32-bit words (a bfloat16 pair or one float32): K^T as words of dimensions x 16 positions,
@@ -43,20 +45,30 @@ constexpr int kPerWord = 4 / static_cast<int>(sizeof(T));
 // kW = DIM / kPerWord<T> words a row:
 //   keys: [head][step][piece < 4][word w < kW][position p < 16] as uint32;
 //   values: [head][step][16-dim chunk j < DIM / 16][position word g < 64 / kPerWord][dim d < 16][kPerWord] as T.
+// Both live in one buffer, the calling thread's own up to kKeptWords and kept between calls (a fresh allocation
+// came zeroed from the system page by page at every call: half the packing time of 1,000 positions), larger ones
+// allocated for the call.
+constexpr size_t kKeptWords = size_t{4} << 20;
+
 template <typename T, int DIM>
 struct PackedContext {
   static constexpr int kPer = kPerWord<T>, kRowWords = DIM / kPer;
   int64_t steps, head_keys, head_values;
-  std::vector<uint32_t> keys;
-  std::vector<T> values;
+  std::vector<uint32_t> own;   // the buffer, where larger than kKeptWords
+  uint32_t* keys;
+  T* values;
 
   PackedContext(const T* k_ptr, const T* v_ptr, const int64_t* table, int64_t block_size, int64_t kv_heads,
                 int64_t context_len)
       : steps((context_len + kPrefillStep - 1) / kPrefillStep),
         head_keys(steps * kPrefillStep * kRowWords),
-        head_values(steps * kPrefillStep * DIM),
-        keys(kv_heads * head_keys),
-        values(kv_heads * head_values) {
+        head_values(steps * kPrefillStep * DIM) {
+    thread_local std::vector<uint32_t> kept;
+    const size_t words = kv_heads * (head_keys + head_values / kPer);
+    std::vector<uint32_t>& buffer = words <= kKeptWords ? kept : own;
+    if (buffer.size() < words) buffer.resize(words);
+    keys = buffer.data();
+    values = reinterpret_cast<T*>(keys + kv_heads * head_keys);
     at::parallel_for(0, kv_heads * steps, 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         pack(k_ptr, v_ptr, table, block_size, kv_heads * DIM, i / steps, i % steps, context_len);
@@ -65,40 +77,94 @@ struct PackedContext {
   }
 
   const uint32_t* step_keys(int64_t h, int64_t step) const {
-    return keys.data() + h * head_keys + step * kPrefillStep * kRowWords;
+    return keys + h * head_keys + step * kPrefillStep * kRowWords;
   }
   const T* step_values(int64_t h, int64_t step) const {
-    return values.data() + h * head_values + step * kPrefillStep * DIM;
+    return values + h * head_values + step * kPrefillStep * DIM;
   }
 
  private:
+  // one step (64 positions) of head h, 16 positions x 16 words of K at a time transposed in registers, V's rows
+  // interleaved in pairs (bfloat16) or copied (float32)
   void pack(const T* k_ptr, const T* v_ptr, const int64_t* table, int64_t block_size, int64_t token_stride,
             int64_t h, int64_t step, int64_t context_len) {
     constexpr int kChunks = DIM / 16, kGroups = kPrefillStep / kPer;
-    uint32_t* key_step = keys.data() + h * head_keys + step * kPrefillStep * kRowWords;
-    T* value_step = values.data() + h * head_values + step * kPrefillStep * DIM;
+    uint32_t* key_step = keys + h * head_keys + step * kPrefillStep * kRowWords;
+    T* value_step = values + h * head_values + step * kPrefillStep * DIM;
+    const T* k_rows[kPrefillStep];
+    const T* v_rows[kPrefillStep];   // null past the context: zeros
     for (int64_t p = 0; p < kPrefillStep; ++p) {
-      const int64_t pos = step * kPrefillStep + p, piece = p / 16, col = p % 16;
-      const bool real = pos < context_len;
-      const int64_t slot = real ? table[pos / block_size] * block_size + pos % block_size : 0;
-      const uint32_t* k_words = reinterpret_cast<const uint32_t*>(k_ptr + slot * token_stride + h * DIM);
-      const T* v_row = v_ptr + slot * token_stride + h * DIM;
-      for (int w = 0; w < kRowWords; ++w) key_step[(piece * kRowWords + w) * 16 + col] = real ? k_words[w] : 0;
-      for (int j = 0; j < kChunks; ++j) {
-        for (int d = 0; d < 16; ++d) {
-          value_step[((j * kGroups + p / kPer) * 16 + d) * kPer + p % kPer] = real ? v_row[16 * j + d] : T(0.f);
+      const int64_t pos = step * kPrefillStep + p;
+      const int64_t offset = (table[std::min(pos, context_len - 1) / block_size] * block_size + pos % block_size) *
+                             token_stride + h * DIM;
+      k_rows[p] = pos < context_len ? k_ptr + offset : nullptr;
+      v_rows[p] = pos < context_len ? v_ptr + offset : nullptr;
+    }
+    for (int piece = 0; piece < 4; ++piece) {
+      for (int w0 = 0; w0 < kRowWords; w0 += 16) {
+        __m512i words[16];
+        for (int i = 0; i < 16; ++i) {
+          const T* row = k_rows[16 * piece + i];
+          words[i] = row != nullptr ? _mm512_loadu_si512(row + w0 * kPer) : _mm512_setzero_si512();
+        }
+        transpose_words(words);
+        for (int w = 0; w < 16; ++w) _mm512_storeu_si512(key_step + (piece * kRowWords + w0 + w) * 16, words[w]);
+      }
+    }
+    for (int j = 0; j < kChunks; ++j) {
+      for (int g = 0; g < kGroups; ++g) {
+        T* dst = value_step + (j * kGroups + g) * 16 * kPer;
+        if constexpr (kPer == 2) {   // positions 2g and 2g + 1, element by element
+          const __m512i pairs = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
+                                                 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+          _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(dims16(v_rows[2 * g], j), pairs,
+                                                             dims16(v_rows[2 * g + 1], j)));
+        } else {
+          _mm512_storeu_si512(dst, v_rows[g] != nullptr ? _mm512_loadu_si512(v_rows[g] + 16 * j)
+                                                        : _mm512_setzero_si512());
         }
       }
+    }
+  }
+
+  // dimensions 16j .. 16j + 15 of a 16-bit row (zero where the row is null) in the low half of a vector
+  static __m512i dims16(const T* row, int j) {
+    return row != nullptr ? _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * j)))
+                          : _mm512_setzero_si512();
+  }
+
+  // 16 x 16 32-bit words transposed in place: r[w] becomes word w of each of the 16 vectors
+  static void transpose_words(__m512i* r) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {   // within 128-bit lanes: pairs of rows, then groups of four
+      t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {   // r[4k + m], lane L: word 4L + m of rows 4k .. 4k + 3
+      r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]), r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+      r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]), r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int half = 0; half < 16; half += 8) {   // then across lanes
+      for (int m = 0; m < 4; ++m) {
+        t[half + m] = _mm512_shuffle_i32x4(r[half + m], r[half + 4 + m], 0x88);
+        t[half + 4 + m] = _mm512_shuffle_i32x4(r[half + m], r[half + 4 + m], 0xdd);
+      }
+    }
+    for (int m = 0; m < 4; ++m) {
+      r[m] = _mm512_shuffle_i32x4(t[m], t[8 + m], 0x88), r[8 + m] = _mm512_shuffle_i32x4(t[m], t[8 + m], 0xdd);
+      r[4 + m] = _mm512_shuffle_i32x4(t[4 + m], t[12 + m], 0x88);
+      r[12 + m] = _mm512_shuffle_i32x4(t[4 + m], t[12 + m], 0xdd);
     }
   }
 };
 
 // A task: 16 query rows with all their query heads, or one query head where the row blocks are too few to keep
 // the threads even; its cost is the positions its last row reads.
-inline TaskPlan prefill_tasks(int64_t rows, int64_t prefix, int64_t heads, int64_t window) {
+inline TaskPlan prefill_tasks(int64_t rows, int64_t context_len, bool causal, int64_t heads, int64_t window) {
   const int64_t tiles = (rows + kPrefillRows - 1) / kPrefillRows;
   std::vector<int64_t> reach(tiles);
-  for (int64_t t = 0; t < tiles; ++t) reach[t] = prefix + std::min(rows, (t + 1) * kPrefillRows);
+  for (int64_t t = 0; t < tiles; ++t) {
+    reach[t] = causal ? context_len - rows + std::min(rows, (t + 1) * kPrefillRows) : context_len;
+  }
   return balance_tasks(reach.data(), tiles, heads, window);
 }
 
@@ -159,22 +225,27 @@ struct PrefillSoftmax {
 #endif
 };
 
-// A thread's task as it runs: its rows (16 query rows from row0, n of them real, at positions first_pos..last_pos)
-// and, for the query head at hand, each row's output so far and its softmax's running max, rescale and sum.
+// A thread's task as it runs: its rows (16 query rows from row0, n of them real, at positions first_pos..last_pos,
+// or all at the context's last position where not causal) and, for the query head at hand, each row's output so
+// far and its softmax's running max, rescale and sum.
 template <int DIM>
 struct PrefillRows {
-  int64_t window, row0 = 0, n = 0, first_pos = 0, last_pos = 0;
+  int64_t window;
+  bool causal;
+  int64_t row0 = 0, n = 0, first_pos = 0, last_pos = 0;
   alignas(64) float acc[kPrefillRows * DIM];
   float top[kPrefillRows], rescale[kPrefillRows];
   Vec sums[kPrefillRows];   // per row, the softmax's running sum in 16 lanes (one reduction at the end)
 
-  explicit PrefillRows(int64_t window_) : window(window_) {}
+  PrefillRows(int64_t window_, bool causal_) : window(window_), causal(causal_) {}
 
-  // the task's rows: row block `block` of a chunk of `rows` rows after `prefix` cached positions
-  void start_task(int64_t block, int64_t rows, int64_t prefix) {
+  // the task's rows: row block `block` of `rows` rows over `context_len` positions
+  void start_task(int64_t block, int64_t rows, int64_t context_len) {
     row0 = block * kPrefillRows, n = std::min(kPrefillRows, rows - row0);
-    first_pos = prefix + row0, last_pos = first_pos + n - 1;
+    first_pos = causal ? context_len - rows + row0 : context_len - 1;
+    last_pos = causal ? first_pos + n - 1 : first_pos;
   }
+  int64_t position(int64_t r) const { return causal ? first_pos + r : first_pos; }
   // the first step any row reads, and whether a step is past the last
   int64_t first_step() const {
     return (window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0) / kPrefillStep;
@@ -207,18 +278,21 @@ struct PrefillRows {
                     int64_t stride) {
     const bool some_masked = masked(step_start);
     for (int64_t r = 0; r < n; ++r) {
-      softmax.row(scores + r * kPrefillStep, some_masked, first_pos + r, step_start, top[r], rescale[r], sums[r],
+      softmax.row(scores + r * kPrefillStep, some_masked, position(r), step_start, top[r], rescale[r], sums[r],
                   lo + r * stride, hi + r * stride);
     }
   }
 
-  // each real row's output, acc / its sum, into out [rows, heads, DIM] at query head qh
+  // each real row's output, acc / its sum, into out [rows, heads, DIM] at query head qh; its log-sum-exp into
+  // lse [rows, heads] where lse is not null
   template <typename T>
-  void finish_head(T* out_ptr, int64_t heads, int64_t qh) const {
+  void finish_head(T* out_ptr, float* lse, int64_t heads, int64_t qh) const {
     for (int64_t r = 0; r < n; ++r) {
       T* o = out_ptr + ((row0 + r) * heads + qh) * DIM;
-      const Vec inv(1.f / sums[r].reduce_add());
+      const float sum = sums[r].reduce_add();
+      const Vec inv(1.f / sum);
       for (int64_t d = 0; d < DIM; d += kLanes) store_float(Vec::loadu(acc + r * DIM + d) * inv, o + d);
+      if (lse != nullptr) lse[(row0 + r) * heads + qh] = top[r] + std::log(sum);
     }
   }
 };
@@ -254,14 +328,14 @@ constexpr bool kPrefillBf16 = false;
 template <typename T, int DIM>
 void prefill_attention_vec(const T* q_ptr, const T* k_ptr, const T* v_ptr, const int64_t* table, int64_t rows,
                            int64_t context_len, int64_t heads, int64_t kv_heads, int64_t block_size, float scale,
-                           int64_t window, float softcap, T* out_ptr) {
+                           int64_t window, float softcap, bool causal, T* out_ptr, float* lse) {
   static_assert(DIM % 64 == 0);
   using Context = PackedContext<T, DIM>;
   constexpr int kRowWords = Context::kRowWords, kStepWords = kPrefillStep / Context::kPer;
   constexpr int kChunks = DIM / 16, kGroupRows = 4;
-  const int64_t group = heads / kv_heads, prefix = context_len - rows;
+  const int64_t group = heads / kv_heads;
   const Context context(k_ptr, v_ptr, table, block_size, kv_heads, context_len);
-  const TaskPlan plan = prefill_tasks(rows, prefix, heads, window);
+  const TaskPlan plan = prefill_tasks(rows, context_len, causal, heads, window);
   const int64_t task_heads = heads / plan.split;
   const PrefillSoftmax softmax(scale, softcap, window);
 
@@ -269,13 +343,13 @@ void prefill_attention_vec(const T* q_ptr, const T* k_ptr, const T* v_ptr, const
     alignas(64) uint32_t query[kPrefillRows * kRowWords];   // the rows' query in words
     alignas(64) float scores[kPrefillRows * kPrefillStep];
     alignas(64) T probs[kPrefillRows * kPrefillStep];
-    PrefillRows<DIM> task_rows(window);
+    PrefillRows<DIM> task_rows(window, causal);
     float* acc = task_rows.acc;
     const float* rescale = task_rows.rescale;
     const uint32_t* prob_words = reinterpret_cast<const uint32_t*>(probs);
     for (int64_t i = plan.offsets[begin]; i < plan.offsets[end]; ++i) {
       const int64_t task = plan.order[i];
-      task_rows.start_task(task / plan.split, rows, prefix);
+      task_rows.start_task(task / plan.split, rows, context_len);
       const int64_t padded_n = (task_rows.n + kGroupRows - 1) / kGroupRows * kGroupRows;
       std::memset(probs, 0, sizeof(probs));   // rows past n stay zero
       for (int64_t qh = (task % plan.split) * task_heads; qh < (task % plan.split + 1) * task_heads; ++qh) {
@@ -332,7 +406,7 @@ void prefill_attention_vec(const T* q_ptr, const T* k_ptr, const T* v_ptr, const
             }
           }
         }
-        task_rows.finish_head(out_ptr, heads, qh);
+        task_rows.finish_head(out_ptr, lse, heads, qh);
       }
     }
   });
@@ -342,7 +416,7 @@ void prefill_attention_vec(const T* q_ptr, const T* k_ptr, const T* v_ptr, const
 constexpr bool kPrefillFloat = false, kPrefillBf16 = false;
 template <typename T, int DIM>
 void prefill_attention_vec(const T*, const T*, const T*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                           float, int64_t, float, T*) {}
+                           float, int64_t, float, bool, T*, float*) {}
 #endif
 
 }  // namespace batchrun

@@ -46,12 +46,13 @@ inline void configure_prefill_tiles() {
 template <int DIM>
 void prefill_attention_amx(const at::BFloat16* q_ptr, const at::BFloat16* k_ptr, const at::BFloat16* v_ptr,
                            const int64_t* table, int64_t rows, int64_t context_len, int64_t heads, int64_t kv_heads,
-                           int64_t block_size, float scale, int64_t window, float softcap, at::BFloat16* out_ptr) {
+                           int64_t block_size, float scale, int64_t window, float softcap, bool causal,
+                           at::BFloat16* out_ptr, float* lse) {
   static_assert(DIM % 64 == 0);
   constexpr int kWords = DIM / 32, kChunks = DIM / 16;
-  const int64_t group = heads / kv_heads, prefix = context_len - rows;
+  const int64_t group = heads / kv_heads;
   const PackedContext<at::BFloat16, DIM> context(k_ptr, v_ptr, table, block_size, kv_heads, context_len);
-  const TaskPlan plan = prefill_tasks(rows, prefix, heads, window);
+  const TaskPlan plan = prefill_tasks(rows, context_len, causal, heads, window);
   const int64_t task_heads = heads / plan.split;
   const PrefillSoftmax softmax(scale, softcap, window);
 
@@ -60,11 +61,11 @@ void prefill_attention_amx(const at::BFloat16* q_ptr, const at::BFloat16* k_ptr,
     alignas(64) at::BFloat16 query[kPrefillRows * DIM];
     alignas(64) float scores[kPrefillRows * kPrefillStep], part[4 * kPrefillRows * 16];
     alignas(64) at::BFloat16 probs[kPrefillRows * 32], probs2[kPrefillRows * 32];   // positions 0-31, 32-63
-    PrefillRows<DIM> task_rows(window);
+    PrefillRows<DIM> task_rows(window, causal);
     float* acc = task_rows.acc;
     for (int64_t i = plan.offsets[begin]; i < plan.offsets[end]; ++i) {
       const int64_t task = plan.order[i];
-      task_rows.start_task(task / plan.split, rows, prefix);
+      task_rows.start_task(task / plan.split, rows, context_len);
       std::memset(probs, 0, sizeof(probs));
       std::memset(probs2, 0, sizeof(probs2));
       for (int64_t qh = (task % plan.split) * task_heads; qh < (task % plan.split + 1) * task_heads; ++qh) {
@@ -114,7 +115,7 @@ void prefill_attention_amx(const at::BFloat16* q_ptr, const at::BFloat16* k_ptr,
             }
           }
         }
-        task_rows.finish_head(out_ptr, heads, qh);
+        task_rows.finish_head(out_ptr, lse, heads, qh);
       }
     }
     _tile_release();
@@ -132,7 +133,7 @@ void prefill_attention_amx(const at::BFloat16* q_ptr, const at::BFloat16* k_ptr,
 #else
 template <int DIM>
 void prefill_attention_amx(const at::BFloat16*, const at::BFloat16*, const at::BFloat16*, const int64_t*, int64_t,
-                           int64_t, int64_t, int64_t, int64_t, float, int64_t, float, at::BFloat16*) {}
+                           int64_t, int64_t, int64_t, int64_t, float, int64_t, float, bool, at::BFloat16*, float*) {}
 #endif
 
 }  // namespace batchrun
