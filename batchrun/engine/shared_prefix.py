@@ -5,7 +5,7 @@ positions after it with the decode kernel, then merges the two by their log-sum-
 the prefix once per request, one query's heads at a time.
 
 SmolLM2's heads, one thread of an AMD EPYC (avx512_bf16), 30 layers' pools, 40 own positions a request
-(/work/notes/s11/cascade_micro.py), decode kernel -> shared prefix: bfloat16 32 requests after 1,088 shared
+(bench/shared_prefix_decode.py), decode kernel -> shared prefix: bfloat16 32 requests after 1,088 shared
 positions 2.01 -> 0.94 ms a layer, after 256 0.61 -> 0.43, 8 after 1,088 0.55 -> 0.40; float32 2.66 -> 2.01, 0.78
 -> 0.73, 0.79 -> 0.72. 4 requests or 64 shared positions ran slower (0.5-1.06x): hence the minimums below.
 """

@@ -332,7 +332,8 @@ std::tuple<torch::Tensor, torch::Tensor> paged_prefill_attention(torch::Tensor q
   const int64_t rows = query.size(0), heads = query.size(1), dim = query.size(2), kv_heads = k_cache.size(2);
   TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(causal || window == 0, "a window needs causal rows");
-  TORCH_CHECK((!causal || rows <= context_len) && context_len > 0 && (context_len + k_cache.size(1) - 1) / k_cache.size(1) <= block_table.size(0),
+  TORCH_CHECK((!causal || rows <= context_len) && context_len > 0 &&
+                  (context_len + k_cache.size(1) - 1) / k_cache.size(1) <= block_table.size(0),
               "context_len: more positions than the chunk and its block table hold");
   TORCH_CHECK(dim == 64 || dim == 128, "prefill attention: head_dim 64 or 128, got ", dim);
   auto out = torch::empty_like(query);
