@@ -8,8 +8,8 @@
 // (undefined otherwise); block_tables [B, W] int64; context_lens [B] int64 (the new token included); window W > 0
 // reads only the last W positions (0: all); softcap c > 0 turns scores into c * tanh(scores / c) (0: none).
 // starts [B] int64, where given: request b reads its positions from starts[b] on (the engine attends a prefix that
-// several requests share once for all of them: paged_prefix_attention), and its log-sum-exp per query head comes
-// back in lse [B, H] float32 so that the two parts merge.
+// several requests share once for all of them: paged_prefill_attention, not causal), and its log-sum-exp per query
+// head comes back in lse [B, H] float32 so that the two parts merge.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -91,7 +91,7 @@ void decode_attention(const DecodeCall& call) {
     }
   }
 #endif
-  const batchrun::TaskPlan plan = batchrun::balance_tasks(lens, batch, kv_heads, window);
+  const batchrun::TaskPlan plan = batchrun::balance_tasks(lens, batch, kv_heads, window, at::get_num_threads(), starts);
   const int64_t split = plan.split, task_heads = kv_heads / split;
 
   at::parallel_for(0, plan.threads(), 1, [&](int64_t begin, int64_t end) {

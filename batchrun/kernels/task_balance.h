@@ -29,10 +29,14 @@ struct TaskPlan {
 // kTaskCost: a task's fixed cost in context positions (its query's setup, its output's normalisation).
 constexpr int64_t kTaskCost = 32;
 
+// starts (null: none): where each request's positions begin (cpu_attention.cpp's starts).
 inline TaskPlan balance_tasks(const int64_t* lens, int64_t batch, int64_t kv_heads, int64_t window,
-                              int64_t threads = at::get_num_threads()) {
+                              int64_t threads = at::get_num_threads(), const int64_t* starts = nullptr) {
   threads = std::max<int64_t>(1, threads);
-  auto context = [&](int64_t b) { return window > 0 ? std::min(lens[b], window) : lens[b]; };
+  auto context = [&](int64_t b) {
+    const int64_t read = lens[b] - (starts != nullptr ? starts[b] : 0);
+    return window > 0 ? std::min(read, window) : read;
+  };
   int64_t total = 0, longest = 0;
   for (int64_t b = 0; b < batch; ++b) total += context(b), longest = std::max(longest, context(b));
   // whole requests read their blocks as contiguous runs; split them where there are too few for the threads or
