@@ -119,14 +119,14 @@ void decode_attention(const DecodeCall& call) {
       for (int64_t first = lo; first < end_pos;) {
         const int64_t block_end = std::min(end_pos, (first / block_size + 1) * block_size);
         const int64_t slot0 = table[first / block_size] * block_size + first % block_size;
-        if (block_end < end_pos) {   // the next block's rows, while this one computes
-          batchrun::prefetch_rows(k_ptr, v_ptr, table[block_end / block_size] * block_size,
-                                  std::min(block_size, end_pos - block_end), token_stride, h_lo * dim,
-                                  task_heads * dim * static_cast<int64_t>(sizeof(T)));
-        }
         for (int64_t i0 = 0; i0 < block_end - first; i0 += kLanes) {   // kLanes positions at a time
           const int64_t n = std::min(kLanes, block_end - first - i0), slot = slot0 + i0;
           for (int64_t h = h_lo; h < h_lo + task_heads; ++h) {
+            if (i0 == 0 && block_end < end_pos) {   // this head's rows of the next block, while this one computes
+              batchrun::prefetch_rows(k_ptr, v_ptr, table[block_end / block_size] * block_size,
+                                      std::min(block_size, end_pos - block_end), token_stride, h * dim,
+                                      dim * static_cast<int64_t>(sizeof(T)));
+            }
             const T* k_src = k_ptr + slot * token_stride + h * dim;
             const T* v_src = v_ptr + slot * token_stride + h * dim;
             const float* k_f = nullptr;
