@@ -14,9 +14,8 @@ class TorchAttentionBackend:
     paged pool in place; without it, the pure-torch path vectorised over groups of similar context length (so
     padding stays small); decode requests that share a cached prefix (engine/shared_prefix.py) read it once, all
     together, where the prefill kernel below runs. Prefill chunks one request at a time (few per step): with a
-    bfloat16 cache on a CPU with
-    AVX512-BF16 (or AMX), or a float32 one on AVX-512, the kernel's flash attention over the paged blocks; otherwise
-    torch's SDPA (over the fresh K/V, or a gathered copy after a cached prefix)."""
+    bfloat16 cache on a CPU with AVX512-BF16 (or AMX), or a float32 one on AVX-512, the kernel's flash attention over
+    the paged blocks; otherwise torch's SDPA (over the fresh K/V, or a gathered copy after a cached prefix)."""
 
     name = "torch"
 
