@@ -16,10 +16,9 @@ import time
 
 import torch
 
-from batchrun.cpuinfo import cpu_flags, cpu_model
+from attention_bench import SHAPES, prefill_dtypes, start
 from batchrun.kernels import cpu_attention, reference
 
-SHAPES = {"smollm2": (9, 3, 64), "mid": (16, 4, 64)}
 CHUNKS = [(355, 355), (1024, 1024), (256, 1280), (512, 2048)]   # (new tokens, context)
 
 
@@ -38,15 +37,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    flags = " ".join(f for f in ("avx512_bf16", "amx_bf16") if f in cpu_flags())
-    print(f"{cpu_model()}; {flags}; {args.threads} thread(s)")
+    start(args.threads)
     module = cpu_attention.load()
-    for dtype in (torch.bfloat16, torch.float32):
-        probe = torch.zeros(1, 3, 64, dtype=dtype)
-        if not cpu_attention.prefill_supported(probe, probe):
-            print(f"{dtype}: the prefill kernel does not run here (no AVX-512 / AVX512-BF16, or no C++ toolchain)")
-            continue
+    for dtype in prefill_dtypes():
         tiles = dtype == torch.bfloat16 and module.prefill_amx_ready()
         paths = {"vector": False, "tiles": True} if tiles else {"vector": False}
         print(f"{str(dtype):>14} {'heads':>8} {'new':>5} {'context':>7} {'SDPA ms':>10}"

@@ -16,10 +16,9 @@ import time
 
 import torch
 
-from batchrun.cpuinfo import cpu_flags, cpu_model
+from attention_bench import SHAPES, prefill_dtypes, start
 from batchrun.kernels import cpu_attention, reference
 
-SHAPES = {"smollm2": (9, 3, 64), "mid": (16, 4, 64)}
 CASES = [(32, 1088), (32, 256), (32, 64), (8, 1088), (4, 1088)]   # (requests, shared positions)
 OWN, BLOCK = 40, 16
 
@@ -65,16 +64,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--layers", type=int, default=30)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    flags = " ".join(f for f in ("avx512_bf16", "amx_bf16") if f in cpu_flags())
-    print(f"{cpu_model()}; {flags}; {args.threads} thread(s)")
-    if cpu_attention.load() is None:
-        raise SystemExit("the CPU attention kernel did not build here")
-    for dtype in (torch.bfloat16, torch.float32):
-        probe = torch.zeros(1, 3, 64, dtype=dtype)
-        if not cpu_attention.prefill_supported(probe, probe):
-            print(f"{dtype}: the prefill kernel does not run here (no AVX-512 / AVX512-BF16)")
-            continue
+    start(args.threads)
+    for dtype in prefill_dtypes():
         print(f"{str(dtype):>14} {'heads':>8} {'requests':>8} {'shared':>7} {'whole ms':>9} {'shared ms':>10} "
               f"{'speedup':>7}")
         for shape in SHAPES:

@@ -282,8 +282,11 @@ std::tuple<torch::Tensor, torch::Tensor> paged_decode_attention(
   if (starts) {
     TORCH_CHECK(starts->scalar_type() == torch::kInt64 && starts->is_contiguous() &&
                     starts->numel() == context_lens.numel(), "starts: int64, one per request");
-    TORCH_CHECK(((*starts >= 0) & (*starts < context_lens)).all().item<bool>(),
-                "starts: each request must read at least one position");
+    const int64_t* first = starts->data_ptr<int64_t>();
+    const int64_t* lens = context_lens.data_ptr<int64_t>();
+    for (int64_t b = 0; b < starts->numel(); ++b) {
+      TORCH_CHECK(first[b] >= 0 && first[b] < lens[b], "starts: each request must read at least one position");
+    }
     lse = torch::empty({query.size(0), query.size(1)}, query.options().dtype(torch::kFloat));
   }
   auto out = torch::empty_like(query);

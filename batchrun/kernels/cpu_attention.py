@@ -61,10 +61,7 @@ def shared_prefix_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     """query [n, H, D]: n requests' decode queries, each over the same prefix_len positions (the blocks of
     block_table that they share), as one product where a decode reads the prefix once per request: (out, lse [n, H]
     float32). Only where prefill_supported()."""
-    tiles = query.dtype == torch.bfloat16 and _kernel.module.prefill_amx_ready()
-    return _kernel.module.paged_prefill_attention(query.contiguous(), k_cache, v_cache,
-                                                  block_table.long().contiguous(), prefix_len, scale, 0,
-                                                  softcap or 0.0, tiles, False)
+    return _prefill(query, k_cache, v_cache, block_table, prefix_len, scale, None, softcap, None, causal=False)
 
 
 def merge_parts(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
@@ -91,9 +88,15 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     """Same contract as reference.paged_prefill_attention (the chunk's K/V already in the cache); call only where
     prefill_supported(). bfloat16 on AMX tiles where the CPU has them (tiles=None), else on AVX512-BF16's dot
     instruction (tiles=False picks it on an AMX CPU too: tests, A/B); float32 on AVX-512 FMA."""
+    return _prefill(query, k_cache, v_cache, block_table, context_len, scale, window, softcap, tiles, causal=True)[0]
+
+
+def _prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+             context_len: int, scale: float, window: int | None, softcap: float | None, tiles: bool | None,
+             causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's prefill call: (out, lse; lse empty where causal), on AMX tiles where tiles=None and the CPU has
+    them for a bfloat16 query."""
     if tiles is None:
         tiles = query.dtype == torch.bfloat16 and _kernel.module.prefill_amx_ready()
-    out, _ = _kernel.module.paged_prefill_attention(query.contiguous(), k_cache, v_cache,
-                                                    block_table.long().contiguous(), context_len, scale, window or 0,
-                                                    softcap or 0.0, tiles, True)
-    return out
+    return _kernel.module.paged_prefill_attention(query.contiguous(), k_cache, v_cache, block_table.long().contiguous(),
+                                                  context_len, scale, window or 0, softcap or 0.0, tiles, causal)

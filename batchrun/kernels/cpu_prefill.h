@@ -50,6 +50,12 @@ constexpr int kPerWord = 4 / static_cast<int>(sizeof(T));
 // allocated for the call.
 constexpr size_t kKeptWords = size_t{4} << 20;
 
+// The calling thread's kept buffer, one for every dtype and head_dim.
+inline std::vector<uint32_t>& kept_words() {
+  thread_local std::vector<uint32_t> kept;
+  return kept;
+}
+
 template <typename T, int DIM>
 struct PackedContext {
   static constexpr int kPer = kPerWord<T>, kRowWords = DIM / kPer;
@@ -63,9 +69,8 @@ struct PackedContext {
       : steps((context_len + kPrefillStep - 1) / kPrefillStep),
         head_keys(steps * kPrefillStep * kRowWords),
         head_values(steps * kPrefillStep * DIM) {
-    thread_local std::vector<uint32_t> kept;
     const size_t words = kv_heads * (head_keys + head_values / kPer);
-    std::vector<uint32_t>& buffer = words <= kKeptWords ? kept : own;
+    std::vector<uint32_t>& buffer = words <= kKeptWords ? kept_words() : own;
     if (buffer.size() < words) buffer.resize(words);
     keys = buffer.data();
     values = reinterpret_cast<T*>(keys + kv_heads * head_keys);
