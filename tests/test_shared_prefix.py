@@ -89,8 +89,8 @@ def test_a_request_with_nothing_of_its_own_is_refused(dtype):
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
 def test_the_engine_reads_a_shared_prefix_once(dtype_name, tmp_path, monkeypatch):
     """Ten requests after a 300-token prompt prefix, cached by a first request: their decodes read the prefix's 18
-    blocks once a layer for all of them, and give the tokens (float32) and the token log-probabilities of the path
-    that reads the prefix per request."""
+    blocks once a layer for all of them, and give the tokens of the path that reads the prefix per request (float32;
+    bfloat16: token log-probabilities as close to float32's as that path's)."""
     module = cpu_attention.load()
     if module is None or not module.prefill_ready(dtype_name == "bfloat16"):
         pytest.skip(f"{dtype_name} prefill kernel: not on this CPU or no C++ toolchain")
@@ -105,9 +105,9 @@ def test_the_engine_reads_a_shared_prefix_once(dtype_name, tmp_path, monkeypatch
     monkeypatch.setattr(cpu_attention, "shared_prefix_attention",
                         lambda *a, **kw: calls.append((a[0].shape[0], a[4])) or real(*a, **kw))
 
-    def run(apart: bool):
+    def run(apart: bool, dtype: str = dtype_name):
         monkeypatch.setattr(shared_prefix, "MIN_REQUESTS", 8 if apart else 10 ** 9)
-        llm = LLM(model=str(tmp_path), dtype=dtype_name, block_size=16, kv_cache_memory="16MiB")
+        llm = LLM(model=str(tmp_path), dtype=dtype, block_size=16, kv_cache_memory="16MiB")
         llm.generate([common + [7]], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)   # caches it
         return llm.generate(prompts, params, use_tqdm=False)
 
@@ -117,7 +117,21 @@ def test_the_engine_reads_a_shared_prefix_once(dtype_name, tmp_path, monkeypatch
     assert calls and all(rows == 10 and length == 288 for rows, length in calls), calls[:3]
     if dtype_name == "float32":
         assert [o.token_ids for o in shared] == [o.token_ids for o in per_request]
-    for a, b in zip(shared, per_request):
-        n = min(len(a.logprobs), len(b.logprobs))
-        torch.testing.assert_close(torch.tensor(a.logprobs[:n]), torch.tensor(b.logprobs[:n]),
-                                   rtol=0, atol=1e-4 if dtype_name == "float32" else 0.1)
+        for a, b in zip(shared, per_request):
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-4)
+        return
+    # bfloat16: the two paths round differently (on AMX the per-request decode runs on tiles, the shared one on
+    # vectors and the prefill kernel), so each is held to float32 over the tokens both still share with it
+    exact = run(False, "float32")
+    assert max_logprob_error(shared, exact) <= 1.5 * max_logprob_error(per_request, exact) + 0.02
+
+
+def max_logprob_error(outputs, exact) -> float:
+    """The largest |log-probability - exact's| over each output's tokens up to where it leaves exact's tokens."""
+    worst = 0.0
+    for out, ref in zip(outputs, exact):
+        for token, logprob, ref_token, ref_logprob in zip(out.token_ids, out.logprobs, ref.token_ids, ref.logprobs):
+            if token != ref_token:
+                break
+            worst = max(worst, abs(logprob - ref_logprob))
+    return worst

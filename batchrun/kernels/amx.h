@@ -30,12 +30,15 @@ inline bool amx_ready() {
   return ready;
 }
 
-// Palette 1: per tile register its rows and bytes a row (_tile_loadconfig reads it; loading zeroes every tile).
+// Palette 1: per tile register its rows and bytes a row (load() configures the tiles; that zeroes every tile).
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
   void set(int tile, int rows_, int bytes) { rows[tile] = rows_, colsb[tile] = bytes; }
+  // Not GCC 12's _tile_loadconfig: its asm names only the record's first 8 bytes as read, so the stores of the
+  // bytes a row could be dropped as dead, and were (ldtilecfg then faulted on rows without bytes).
+  void load() const { asm volatile("ldtilecfg %0" : : "m"(*this)); }
 };
 #else
 #define BATCHRUN_AMX_BUILD 0

@@ -45,7 +45,7 @@ void configure(int rows0, int rows1) {
   config.set(0, rows0, 64), config.set(1, second, 64);
   config.set(2, 16, 64), config.set(3, 16, 64);
   config.set(4, rows0, 64), config.set(5, rows0, 64), config.set(6, second, 64), config.set(7, second, 64);
-  _tile_loadconfig(&config);
+  config.load();
 }
 
 // One tile load, by the streaming load when `streamed`; one dot product, int8 or bfloat16 by T. Macros, since GCC's

@@ -48,7 +48,7 @@ inline void configure_tiles(int group) {
   config.set(BATCHRUN_PROBS_TILE, group, 2 * kStep);        // P: group x 32 positions, bfloat16
   config.set(BATCHRUN_OUT_TILE, group, 64);                 // group x 16 dims, float32
   config.set(BATCHRUN_OUT2_TILE, group, 64);
-  _tile_loadconfig(&config);
+  config.load();
 }
 
 // The first slot of the 16 positions from `pos` (a multiple of 16; block_size a multiple of 16).

@@ -30,7 +30,7 @@ namespace batchrun {
 inline void configure_prefill_tiles() {
   TileConfig config;
   for (int tile = 0; tile < 8; ++tile) config.set(tile, 16, 64);
-  _tile_loadconfig(&config);
+  config.load();
 }
 
 // out [16 rows, 64 dims from chunk j0] = P [16, 64 positions] x V: four 16-dimension products, each over the two
