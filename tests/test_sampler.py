@@ -53,6 +53,18 @@ def test_drawn_frequencies_follow_the_kept_distribution():
     assert counts.tolist() == pytest.approx(flat.tolist(), abs=0.015)
 
 
+def test_a_masked_token_is_never_drawn():
+    """Tokens of zero weight (a -inf logit, as a grammar's mask leaves them) sit at both ends of the cumulative
+    weights and between the others: none is ever drawn, from rows of one or several tokens."""
+    n = 20000
+    masked = torch.tensor([[float("-inf"), 0.0, float("-inf"), 1.0, float("-inf")],
+                           [float("-inf"), float("-inf"), float("-inf"), 3.0, float("-inf")]]).repeat(n // 2, 1)
+    requests = [Request(str(i), [1], SamplingParams(temperature=1.0)) for i in range(n)]
+    tokens = torch.tensor(Sampler(seed=4)(masked, requests)[0])
+    assert set(tokens[0::2].tolist()) == {1, 3} and set(tokens[1::2].tolist()) == {3}
+    assert float((tokens[0::2] == 3).float().mean()) == pytest.approx(math.e / (1 + math.e), abs=0.015)
+
+
 def test_a_seeded_request_draws_the_same_tokens_in_any_batch():
     vocab = 2000
     torch.manual_seed(0)

@@ -1,10 +1,13 @@
 """Greedy, temperature, top-k and top-p sampling with per-request seeds and chosen-token logprobs, batched on the
 logits' device: only the chosen ids (and the logprobs asked for) cross to the host.
 
-A row is sampled as argmax(p_i / E_i) over its tokens, with E_i exponential variates: an exact sample from p (the
-exponential race) that needs no normalisation and no per-row loop. A seeded request draws a variate for every token
-of the vocabulary from its own generator, so its tokens depend neither on the batch nor on how many candidates the
-batch looked at; the other requests share the sampler's generator.
+A row is sampled by inverting its distribution: one uniform variate u per row, and the first token whose cumulative
+weight (in token-id order, float64) passes u x the row's total. Exact up to float64 rounding, with no normalisation,
+no per-row loop, and one variate a row: the exponential race (argmax of p_i / E_i) drew one for every token of the
+vocabulary, and torch's CPU generator made those 3.1M draws a step for 64 rows in 10 ms, most of a 19 ms sampler
+(now 5 ms; SmolLM2's 49,152 tokens, 2 threads of an Intel Xeon). A seeded request draws its variate from its own
+generator, so its tokens depend neither on the batch nor on how many candidates the batch looked at; the other
+requests share the sampler's generator.
 """
 from __future__ import annotations
 
@@ -88,28 +91,30 @@ class Sampler:
 
     def _draw(self, logits: torch.Tensor, requests: list[Request], rows: list[int]) -> torch.Tensor:
         params = [r.params for r in requests]
-        scaled = logits[torch.tensor(rows, device=logits.device)]
-        scaled = scaled / torch.tensor([p.temperature for p in params], device=logits.device)[:, None]
+        device = logits.device
+        scaled = logits[torch.tensor(rows, device=device)]
+        scaled = scaled / torch.tensor([p.temperature for p in params], device=device)[:, None]
         if filters(params[0], logits.shape[1]):
             probs, ids = filtered_probs(scaled, params)
+            weights = torch.zeros_like(scaled).scatter_(1, ids, probs)   # back in token order
         else:
-            probs, ids = torch.softmax(scaled, dim=-1), None
-        winners = (probs / self._exponentials(probs, ids, requests, logits.shape[1])).argmax(dim=-1)
-        return winners if ids is None else ids.gather(1, winners[:, None])[:, 0]
+            weights = (scaled - scaled.max(dim=-1, keepdim=True).values).exp_()
+        cdf = weights.to(torch.float64).cumsum_(dim=-1)
+        total = cdf[:, -1:]
+        # u x total stays below the total, so the token found has weight (a zero-weight token never wins)
+        target = torch.minimum(self._uniforms(requests, device)[:, None] * total, total.nextafter(total.new_zeros(())))
+        return torch.searchsorted(cdf, target, right=True)[:, 0]
 
-    def _exponentials(self, probs: torch.Tensor, ids: torch.Tensor | None, requests: list[Request],
-                      vocab: int) -> torch.Tensor:
-        """Exp(1) variates as -log(U), clamped above zero so that a token of probability 0 never wins."""
-        device = probs.device
-        noise = torch.rand(probs.shape, device=device, generator=self._generator(device))
+    def _uniforms(self, requests: list[Request], device: torch.device) -> torch.Tensor:
+        """One U[0, 1) variate (float64) per request: a seeded request's from its own generator."""
+        u = torch.rand(len(requests), device=device, dtype=torch.float64, generator=self._generator(device))
         for i, request in enumerate(requests):
             seed = request.params.seed
             if seed is not None:
                 if request.generator is None:
                     request.generator = torch.Generator(device).manual_seed(seed)
-                row = torch.rand(vocab, device=device, generator=request.generator)
-                noise[i] = row if ids is None else row[ids[i]]
-        return noise.log_().neg_().clamp_(min=torch.finfo(noise.dtype).tiny)
+                u[i] = torch.rand(1, device=device, dtype=torch.float64, generator=request.generator)[0]
+        return u
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
