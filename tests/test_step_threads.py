@@ -1,8 +1,13 @@
-"""Serving on the CPU: small steps on one thread, larger ones on all (engine/step_threads.py)."""
+"""Serving on the CPU: small steps on one thread, larger ones on all (engine/step_threads.py), the graph built for
+both at start, and the starting thread's OpenMP workers released (engine/openmp_pool.py)."""
+import os
+import time
+
 import pytest
 import torch
 
 from batchrun import SamplingParams
+from batchrun.engine import openmp_pool
 from batchrun.engine.step_threads import SMALL_STEP_TOKENS, StepThreads
 
 
@@ -41,3 +46,41 @@ def test_the_background_loop_sets_threads_per_step_and_gives_them_back(tiny_llm,
     assert tiny_llm.engine.step_threads is None and torch.get_num_threads() == 2
     assert any(t > SMALL_STEP_TOKENS and n == 2 for t, n in seen)
     assert any(0 < t <= SMALL_STEP_TOKENS and n == 1 for t, n in seen)
+
+
+def test_serving_builds_the_one_thread_graph_at_start_and_keeps_the_counts(tiny_model, two_threads, monkeypatch):
+    """The background loop first builds the graph for one thread (torch.compile guards on the thread count), so a
+    served request's small steps compile nothing; the warm-up leaves no steps, ids or observed steps behind."""
+    from torch._dynamo.utils import counters
+    from batchrun import LLM
+    monkeypatch.setenv("BATCHRUN_COMPILE", "1")   # the whole-model graph (the CPU default; conftest turns it off)
+    llm = LLM(model=tiny_model[0], kv_cache_memory="4MiB", block_size=4)
+    seen = []
+    stop_observing = llm.engine.observe(lambda stats: seen.append(stats.step))
+    llm.start_background()
+    try:
+        deadline = time.monotonic() + 120
+        while not llm.engine.one_thread_warm and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert llm.engine.one_thread_warm
+        graphs = counters["stats"]["unique_graphs"]
+        out = llm.submit([5, 6], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)).result(timeout=60)
+        assert counters["stats"]["unique_graphs"] == graphs, "a served step compiled the graph again"
+    finally:
+        llm.stop_background()
+        stop_observing()
+    assert out.request_id == "submit-0" and len(out.token_ids) == 3
+    assert llm.engine.stats.step == len(seen) == 3   # a prefill step and two decodes: the request's alone
+
+
+def test_releasing_the_openmp_pool_frees_its_workers(two_threads):
+    """After a parallel region on two threads the calling thread keeps a worker; release_thread_pool ends it, and
+    the next region builds a new pool."""
+    if openmp_pool._libgomp() is None:
+        pytest.skip("this process's OpenMP runtime is not libgomp")
+    x = torch.ones(1 << 22)
+    x.add_(1)
+    before = len(os.listdir("/proc/self/task"))
+    assert openmp_pool.release_thread_pool()
+    assert len(os.listdir("/proc/self/task")) < before
+    assert float(x.add_(1).sum()) == 3 * (1 << 22)

@@ -1,6 +1,7 @@
 """The step loop: schedule -> forward -> sample -> update, over a paged KV pool."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import itertools
@@ -71,12 +72,23 @@ class Engine:
         self._rejected: list[Request] = []
         self._ids = itertools.count()
         self.step_threads: StepThreads | None = None   # set while serving on the CPU (LLM.start_background)
+        self.one_thread_warm = False   # whether the graph is built for steps on one thread (StepThreads.warm_up)
         if getattr(self.model, "graph_compiled", False):   # built now, not at the first real step
+            self.warm_up()
+
+    def warm_up(self) -> None:
+        """A few short requests through the whole-model graph (warm_up.py). Their request ids, steps and cache
+        hits are not the user's: the engine keeps the counts it had, and its observers do not see them."""
+        next_id, stats = next(self._ids), copy.deepcopy(self.stats)
+        hits = [lane.block_manager.prefix_hits for lane in self.scheduler.lanes]
+        observers, self._observers = self._observers, []
+        try:
             warm_up(self)
-            self._ids = itertools.count()   # the warm-up's request ids, steps and cache hits are not the user's
-            self.stats = StepStats(kv_blocks_free=self.num_blocks)
-            for lane in self.scheduler.lanes:
-                lane.block_manager.prefix_hits = 0
+        finally:
+            self._observers = observers
+        self._ids, self.stats = itertools.count(next_id), stats
+        for lane, count in zip(self.scheduler.lanes, hits):
+            lane.block_manager.prefix_hits = count
 
     def _build_lanes(self, admission_key) -> list[Lane]:
         """The batch lane, and the interactive lane's own pool when enabled; sizes logged for capacity planning."""

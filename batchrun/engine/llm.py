@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from batchrun.config import EngineConfig
 from batchrun.engine.engine import Engine
 from batchrun.engine.handles import EngineOverloaded, RequestHandle
+from batchrun.engine.openmp_pool import release_thread_pool
 from batchrun.engine.request import Request, RequestOutput
 from batchrun.engine.step_threads import StepThreads
 from batchrun.sampling_params import SamplingParams
@@ -141,10 +142,12 @@ class LLM:
 
     def start_background(self) -> None:
         """Step the engine in a daemon thread whenever there is work (for serving without a job); on the CPU, small
-        steps run on one thread there (step_threads.py)."""
+        steps run on one thread there (step_threads.py), and the calling thread's OpenMP workers are released
+        (openmp_pool.py)."""
         if self._loop_thread is None or not self._loop_thread.is_alive():
             if self.engine.device.type == "cpu" and torch.get_num_threads() > 1:
                 self.engine.step_threads = StepThreads()
+                release_thread_pool()
             self._stop_loop.clear()
             self._loop_thread = threading.Thread(target=self._background_loop, name="batchrun-engine", daemon=True)
             self._loop_thread.start()
@@ -170,6 +173,8 @@ class LLM:
 
     def _background_loop(self) -> None:
         try:
+            if self.engine.step_threads is not None:
+                self.engine.step_threads.warm_up(self.engine)
             while not self._stop_loop.is_set():
                 if self.has_unfinished():
                     self.step()
