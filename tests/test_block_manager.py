@@ -14,7 +14,7 @@ def admit(bm, request):
     hits = bm.get_computed_blocks(request)
     assert bm.allocate_slots(request, request.num_tokens - len(hits) * bm.block_size, hits)
     request.num_computed_tokens = request.num_tokens
-    bm.cache_full_blocks(request)
+    bm.cache_full_blocks(request, request.num_tokens)
     return hits
 
 

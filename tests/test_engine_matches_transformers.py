@@ -53,6 +53,50 @@ def test_shared_prefix(tiny_model, prefix_caching):
     assert hits == (4 * 20 if prefix_caching else 0)   # 5 full blocks (20 tokens) of the prefix, for 4 requests
 
 
+@pytest.mark.parametrize("budget", [16, 2048])
+def test_a_prefix_computed_in_the_same_step_is_shared(tiny_model, budget):
+    """Requests admitted together behind one system prompt: the first computes it, the others read its blocks in
+    the same step (with a 16-token budget, the blocks its chunk fills by then) instead of computing it again."""
+    path, model = tiny_model
+    llm = LLM(model=path, block_size=4, kv_cache_memory="4MiB", max_num_batched_tokens=budget)
+    system = random_prompts([21], seed=7)[0]
+    prompts = [system + tail for tail in random_prompts([3, 5, 1, 8], seed=8)]
+    computed = []
+    llm.engine.observe(lambda stats: computed.append(stats.shape.tokens))
+    assert_matches(llm, model, prompts)
+    assert llm.engine.stats.prefix_cache_hit_tokens == 3 * 20   # 5 full blocks of the prefix, for 3 requests
+    assert computed[0] == (24 + 6 + 2 + 9 if budget > 64 else 16)   # the prefix's 21st token and each tail
+
+
+def test_a_failed_forward_takes_back_the_blocks_it_was_to_fill(tiny_model, monkeypatch):
+    """A forward that raises (Ctrl-C in a notebook) after a request was admitted on a prefix another request was
+    computing in that step: no unwritten block stays in the prefix cache, the reader waits and recomputes, and every
+    output still equals transformers'."""
+    path, model = tiny_model
+    llm = LLM(model=path, block_size=4, kv_cache_memory="4MiB")
+    engine = llm.engine
+    system = random_prompts([21], seed=7)[0]
+    prompts = [system + tail for tail in random_prompts([3, 5], seed=8)]
+    first, reader = (engine.add_request(p, GREEDY) for p in prompts)
+    real_run = engine.runner.run
+
+    def interrupted(*args, **kwargs):
+        monkeypatch.setattr(engine.runner, "run", real_run)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(engine.runner, "run", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    assert engine.block_manager.cached == {} and first.block_hashes == []
+    assert reader.status.value == "waiting" and reader.num_computed_tokens == 0 and reader.block_table == []
+    engine.block_manager.check_integrity()
+    outputs = {}
+    while engine.scheduler.has_unfinished():
+        outputs.update((out.request_id, out.token_ids) for out in engine.step() if out.finished)
+    for request, prompt in zip((first, reader), prompts):
+        assert outputs[request.request_id] == reference_greedy(model, prompt, MAX_TOKENS)
+    assert engine.stats.prefix_cache_hit_tokens == 20 + 20   # the reader's first admission, then its second
+
+
 @pytest.mark.parametrize("model_type", ["mistral", "qwen2"])
 def test_other_architectures(tmp_path, model_type):
     model = save_tiny_model(tmp_path, model_type, seed=1)

@@ -224,9 +224,11 @@ def test_calibration_predicts_the_job_on_a_synthetic_clock(tmp_path, tiny_model)
     """Deterministic: each engine step 'takes' 2 ms + 10 us per token. Pilot, fit and simulation must predict the
     whole job's stepping time on that clock, as the same engine then spends it on the whole job."""
     from batchrun import LLM
-    write_prompts(tmp_path / "in.parquet", n=60)
-    spec = JobSpec.from_yaml(write_job(tmp_path, tiny_model[0], sampling={"max_tokens": 12, "ignore_eos": True},
-                                       engine={"max_num_seqs": 8}))
+    # rows of 6-16 tokens finish at different steps: the pilot's steps hold from 1 to 8 sequences, which tells a
+    # step's fixed cost from a sequence's (a fitted decode step has as many tokens as sequences)
+    write_prompts(tmp_path / "in.parquet", n=60, max_tokens=[6 + (i * 7) % 11 for i in range(60)])
+    spec = JobSpec.from_yaml(write_job(tmp_path, tiny_model[0], input={"max_tokens_column": "max_tokens"},
+                                       sampling={"max_tokens": 12, "ignore_eos": True}, engine={"max_num_seqs": 8}))
     work = load_workload(spec, read_model_config(spec.model))
 
     def clocked_engine():   # the first observer sets the step's time; the ones after it (calibration's) read it
@@ -243,7 +245,7 @@ def test_calibration_predicts_the_job_on_a_synthetic_clock(tmp_path, tiny_model)
     while engine.has_unfinished():
         engine.step()
         spent += engine.stats.step_time
-    assert cal.report["predicted"]["output_tokens"] == 60 * 12
+    assert cal.report["predicted"]["output_tokens"] == sum(6 + (i * 7) % 11 for i in range(60))
     assert cal.report["predicted"]["makespan_s"] == pytest.approx(spent, rel=0.01)
 
 

@@ -72,12 +72,17 @@ class BlockManager:
             request.block_table.append(self._take_free_block())
         return True
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """Register the request's newly completed blocks in the prefix cache."""
+    def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's blocks that are full within its first `num_tokens` tokens in the prefix cache.
+
+        The scheduler registers the blocks a step will fill as it plans the step (as vLLM does), so a request
+        admitted later in the same step reads them instead of computing the same prefix again: within each layer
+        the forward writes every new K/V before any attention reads the pool. A forward that fails takes them
+        back (uncache_unwritten)."""
         if not self.enable_prefix_caching:
             return
         hashes = request.block_hashes
-        for i in range(len(hashes), request.num_computed_tokens // self.block_size):
+        for i in range(len(hashes), num_tokens // self.block_size):
             chunk = tuple(request.token_ids[i * self.block_size:(i + 1) * self.block_size])
             hashes.append(self.chain_hash(hashes[-1] if hashes else request.adapter, chunk))
             block = request.block_table[i]
@@ -85,6 +90,20 @@ class BlockManager:
             if self.block_hash[block] is None and hashes[-1] not in self.cached:
                 self.block_hash[block], self.block_tokens[block] = hashes[-1], chunk
                 self.cached[hashes[-1]] = block
+
+    def uncache_unwritten(self, request: Request) -> set[int]:
+        """The step that was to compute the request's tokens after its computed ones failed: drop the blocks it
+        registered for them from the cache (and their hashes, registered again when computed). Returns them."""
+        full = request.num_computed_tokens // self.block_size
+        dropped = set()
+        for i, h in enumerate(request.block_hashes[full:], start=full):
+            block = request.block_table[i]
+            if self.cached.get(h) == block:
+                del self.cached[h]
+                self.block_hash[block] = self.block_tokens[block] = None
+                dropped.add(block)
+        del request.block_hashes[full:]
+        return dropped
 
     def fork(self, parent: Request, child: Request, num_tokens: int) -> list[tuple[int, int]] | None:
         """Give `child` the parent's first `num_tokens` tokens of KV: the full blocks shared (one more reference

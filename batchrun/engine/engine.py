@@ -252,7 +252,11 @@ class Engine:
         clock.lap("schedule_s")
         if plan.scheduled:
             self.stats.prompt_tokens += plan.num_prompt_tokens
-            logits, sample_reqs = self.runner.run(plan, self._pool_of)
+            try:
+                logits, sample_reqs = self.runner.run(plan, self._pool_of)
+            except BaseException:   # Ctrl-C included: generate() keeps the engine usable after it
+                self.scheduler.unplan(plan)
+                raise
             clock.lap("forward_s")
             failed: dict[Request, str] = {}   # request -> why it ends now, alone
             logits, sample_reqs = self._fork(logits, sample_reqs, failed)

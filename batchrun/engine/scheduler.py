@@ -154,6 +154,7 @@ class Scheduler:
                     break
             else:
                 plan.scheduled.append((request, n))
+                lane.block_manager.cache_full_blocks(request, request.num_computed_tokens + n)
                 used += n
                 i += 1
         return used
@@ -181,6 +182,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             lane.running.append(request)
             plan.scheduled.append((request, n))
+            lane.block_manager.cache_full_blocks(request, request.num_computed_tokens + n)
             used += n
         for request in deferred:
             lane.waiting.push(request)
@@ -206,21 +208,39 @@ class Scheduler:
 
     def _preempt(self, request: Request, lane: Lane, plan: StepPlan) -> None:
         """Free the request's blocks; it recomputes (often from the prefix cache) when readmitted."""
-        lane.block_manager.free_request(request)
-        request.num_computed_tokens = 0
+        self._requeue(request, lane)
         request.num_preemptions += 1
-        request.status = RequestStatus.WAITING
         self.num_preemptions += 1
         plan.preempted.append(request)
+
+    @staticmethod
+    def _requeue(request: Request, lane: Lane) -> None:
+        lane.block_manager.free_request(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
         lane.waiting.push(request)
 
+    def unplan(self, plan: StepPlan) -> None:
+        """The step's forward failed: the blocks registered for the tokens it was to compute leave the prefix cache,
+        and a request admitted on some of them (a prefix another request was computing in the step) waits and
+        recomputes. The others stand as before the step: their computed tokens were not advanced."""
+        unwritten = set()
+        for request, _ in plan.scheduled:
+            unwritten |= self.lane_of(request).block_manager.uncache_unwritten(request)
+        for request, _ in plan.scheduled:
+            lane = self.lane_of(request)
+            full = request.num_computed_tokens // lane.block_manager.block_size
+            if request in lane.running and unwritten.intersection(request.block_table[:full]):
+                lane.running.remove(request)
+                self._requeue(request, lane)
+                request.block_hashes.clear()
+
     def update(self, plan: StepPlan, sampled: Iterable[tuple[Request, int, float | None]]) -> list[Request]:
-        """After the forward: advance each scheduled request by its tokens (caching its full blocks for the prefix
-        cache), append each sampled (request, token, logprob), and finish and free the requests the stop rule
-        ends. Returns those."""
+        """After the forward: advance each scheduled request by its tokens (their full blocks entered the prefix
+        cache when the step was planned), append each sampled (request, token, logprob), and finish and free the
+        requests the stop rule ends. Returns those."""
         for request, n in plan.scheduled:
             request.num_computed_tokens += n
-            self.lane_of(request).block_manager.cache_full_blocks(request)
         finished = []
         for request, token, logprob in sampled:
             request.token_ids.append(token)

@@ -91,7 +91,7 @@ def place_running(scheduler: Scheduler, request: Request, computed: int) -> bool
     if len(lane.running) >= scheduler.max_num_seqs or not lane.block_manager.allocate_slots(request, computed):
         return False
     request.num_computed_tokens, request.status = computed, RequestStatus.RUNNING
-    lane.block_manager.cache_full_blocks(request)   # its computed blocks serve the prefix cache, as in the engine
+    lane.block_manager.cache_full_blocks(request, computed)   # its blocks serve the prefix cache, as in the engine
     lane.running.append(request)
     return True
 
