@@ -54,11 +54,7 @@ class TorchAttentionBackend:
         in_place = meta.prefills and self.kernel is not None and cpu_attention.prefill_supported(query, k)
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            if in_place and (k.dtype == torch.bfloat16 or chunk.context_len <= 2 * chunk.query_len):
-                # Over the paged blocks, with or without a cached prefix. At float32 (FMA, half the bfloat16 dot
-                # instruction's products) the kernel gains by the causal half it skips: on an AMD EPYC, one thread,
-                # it ran 1.5-1.8x faster than SDPA on prompts of 100-355 tokens, but 0.95-1.06x on 16-128 new
-                # tokens after 1,000 cached: such chunks stay on SDPA.
+            if in_place:   # over the paged blocks, with or without a cached prefix
                 out[rows] = cpu_attention.paged_prefill_attention(query[rows], k, v, chunk.block_table,
                                                                   chunk.context_len, scale, window, softcap)
                 continue

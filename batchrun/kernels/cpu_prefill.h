@@ -328,8 +328,10 @@ constexpr bool kPrefillBf16 = true;
 constexpr bool kPrefillBf16 = false;
 #endif
 
-// The products on AVX-512 vectors, four query rows at a time so that each K or V vector loaded serves four rows:
-// scores of 4 rows x 64 positions in 16 registers, then the output of 4 rows x 64 dimensions in 16.
+// The products on AVX-512 vectors, several query rows at a time so that each K or V vector loaded serves them
+// all: 16 accumulators, scores of kGroupRows rows x 16 kPieces positions, then outputs of kGroupRows rows x 16
+// kPieces dimensions. bfloat16: 4 rows x 64; float32: 8 rows x 32, whose step of K and of V (16 KiB each, twice
+// bfloat16's) is then read twice for 16 rows instead of four times.
 template <typename T, int DIM>
 void prefill_attention_vec(const T* q_ptr, const T* k_ptr, const T* v_ptr, const int64_t* table, int64_t rows,
                            int64_t context_len, int64_t heads, int64_t kv_heads, int64_t block_size, float scale,
@@ -337,7 +339,7 @@ void prefill_attention_vec(const T* q_ptr, const T* k_ptr, const T* v_ptr, const
   static_assert(DIM % 64 == 0);
   using Context = PackedContext<T, DIM>;
   constexpr int kRowWords = Context::kRowWords, kStepWords = kPrefillStep / Context::kPer;
-  constexpr int kChunks = DIM / 16, kGroupRows = 4;
+  constexpr int kChunks = DIM / 16, kGroupRows = sizeof(T) == 4 ? 8 : 4, kPieces = 16 / kGroupRows;
   const int64_t group = heads / kv_heads;
   const Context context(k_ptr, v_ptr, table, block_size, kv_heads, context_len);
   const TaskPlan plan = prefill_tasks(rows, context_len, causal, heads, window);
@@ -363,50 +365,50 @@ void prefill_attention_vec(const T* q_ptr, const T* k_ptr, const T* v_ptr, const
         for (int64_t step = task_rows.first_step(); !task_rows.past(step); ++step) {
           const int64_t step_start = step * kPrefillStep;
           const uint32_t* step_k = context.step_keys(h, step);
-          for (int64_t r0 = 0; r0 < padded_n; r0 += kGroupRows) {   // scores [4 rows, 64 positions]
-            __m512 s[kGroupRows][4];
-            for (int r = 0; r < kGroupRows; ++r) {
-              for (int piece = 0; piece < 4; ++piece) s[r][piece] = _mm512_setzero_ps();
-            }
-            for (int w = 0; w < kRowWords; ++w) {
-              __m512i k[4];
-              for (int piece = 0; piece < 4; ++piece) {
-                k[piece] = _mm512_loadu_si512(step_k + (piece * kRowWords + w) * 16);
+          for (int64_t r0 = 0; r0 < padded_n; r0 += kGroupRows) {   // scores [rows, 16 kPieces positions]
+            for (int p0 = 0; p0 < 4; p0 += kPieces) {
+              __m512 s[kGroupRows][kPieces];
+              for (int r = 0; r < kGroupRows; ++r) {
+                for (int p = 0; p < kPieces; ++p) s[r][p] = _mm512_setzero_ps();
+              }
+              for (int w = 0; w < kRowWords; ++w) {
+                __m512i k[kPieces];
+                for (int p = 0; p < kPieces; ++p) k[p] = _mm512_loadu_si512(step_k + ((p0 + p) * kRowWords + w) * 16);
+                for (int r = 0; r < kGroupRows; ++r) {
+                  const __m512i q = _mm512_set1_epi32(query[(r0 + r) * kRowWords + w]);
+                  for (int p = 0; p < kPieces; ++p) s[r][p] = word_products<T>(s[r][p], q, k[p]);
+                }
               }
               for (int r = 0; r < kGroupRows; ++r) {
-                const __m512i q = _mm512_set1_epi32(query[(r0 + r) * kRowWords + w]);
-                for (int piece = 0; piece < 4; ++piece) s[r][piece] = word_products<T>(s[r][piece], q, k[piece]);
-              }
-            }
-            for (int r = 0; r < kGroupRows; ++r) {
-              for (int piece = 0; piece < 4; ++piece) {
-                _mm512_store_ps(scores + (r0 + r) * kPrefillStep + 16 * piece, s[r][piece]);
+                for (int p = 0; p < kPieces; ++p) {
+                  _mm512_store_ps(scores + (r0 + r) * kPrefillStep + 16 * (p0 + p), s[r][p]);
+                }
               }
             }
           }
           task_rows.softmax_step(softmax, scores, step_start, probs, probs + 32, kPrefillStep);
           const T* step_v = context.step_values(h, step);
-          for (int64_t r0 = 0; r0 < padded_n; r0 += kGroupRows) {   // out [4 rows, 64 dims] += P x V
-            for (int j0 = 0; j0 < kChunks; j0 += 4) {
-              __m512 o[kGroupRows][4];
+          for (int64_t r0 = 0; r0 < padded_n; r0 += kGroupRows) {   // out [rows, 16 kPieces dims] += P x V
+            for (int j0 = 0; j0 < kChunks; j0 += kPieces) {
+              __m512 o[kGroupRows][kPieces];
               for (int r = 0; r < kGroupRows; ++r) {
                 const __m512 keep = _mm512_set1_ps(rescale[r0 + r]);
-                for (int j = 0; j < 4; ++j) {
+                for (int j = 0; j < kPieces; ++j) {
                   o[r][j] = _mm512_mul_ps(_mm512_load_ps(acc + (r0 + r) * DIM + 16 * (j0 + j)), keep);
                 }
               }
               for (int g = 0; g < kStepWords; ++g) {
-                __m512i v[4];
-                for (int j = 0; j < 4; ++j) {
+                __m512i v[kPieces];
+                for (int j = 0; j < kPieces; ++j) {
                   v[j] = _mm512_loadu_si512(step_v + ((j0 + j) * kStepWords + g) * 16 * Context::kPer);
                 }
                 for (int r = 0; r < kGroupRows; ++r) {
                   const __m512i p = _mm512_set1_epi32(prob_words[(r0 + r) * kStepWords + g]);
-                  for (int j = 0; j < 4; ++j) o[r][j] = word_products<T>(o[r][j], p, v[j]);
+                  for (int j = 0; j < kPieces; ++j) o[r][j] = word_products<T>(o[r][j], p, v[j]);
                 }
               }
               for (int r = 0; r < kGroupRows; ++r) {
-                for (int j = 0; j < 4; ++j) _mm512_store_ps(acc + (r0 + r) * DIM + 16 * (j0 + j), o[r][j]);
+                for (int j = 0; j < kPieces; ++j) _mm512_store_ps(acc + (r0 + r) * DIM + 16 * (j0 + j), o[r][j]);
               }
             }
           }
