@@ -69,8 +69,9 @@ def fit_error(misses) -> float:
 
 def step_spread(model: LinearModel, shapes: list[StepShape], times: list[float], miss: float = 0.0
                 ) -> tuple[float, float]:
-    """p10 and p90 of measured / priced time over blocks of consecutive recent steps, widened to 1 -+ |miss|: the
-    fit's error on steps it has not seen (fit_error)."""
+    """p10 and p90 of measured / priced time over blocks of consecutive recent steps, widened to 1 / (1 + |miss|)
+    and 1 + |miss|: the fit's error on steps it has not seen (fit_error), a factor each way (1 - |miss| reached 0 s
+    left once a miss passed 100 %, as early fits of a longest-first run do)."""
     shapes, times = shapes[-RECENT_STEPS:], times[-RECENT_STEPS:]
     ratios = []
     for start in range(0, len(shapes) - STEP_BLOCK + 1, STEP_BLOCK):
@@ -78,7 +79,7 @@ def step_spread(model: LinearModel, shapes: list[StepShape], times: list[float],
         if priced > 0:
             ratios.append(sum(times[start:start + STEP_BLOCK]) / priced)
     low, high = (float(np.quantile(ratios, 0.1)), float(np.quantile(ratios, 0.9))) if len(ratios) >= 2 else (1, 1)
-    return min(low, 1 - abs(miss)), max(high, 1 + abs(miss))
+    return min(low, 1 / (1 + abs(miss))), max(high, 1 + abs(miss))
 
 
 @dataclass(frozen=True)
