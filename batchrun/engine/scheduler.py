@@ -153,8 +153,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                plan.scheduled.append((request, n))
-                lane.block_manager.cache_full_blocks(request, request.num_computed_tokens + n)
+                self._plan(request, n, lane, plan)
                 used += n
                 i += 1
         return used
@@ -181,12 +180,18 @@ class Scheduler:
                 request.num_cached_tokens = cached
             request.status = RequestStatus.RUNNING
             lane.running.append(request)
-            plan.scheduled.append((request, n))
-            lane.block_manager.cache_full_blocks(request, request.num_computed_tokens + n)
+            self._plan(request, n, lane, plan)
             used += n
         for request in deferred:
             lane.waiting.push(request)
         return used
+
+    @staticmethod
+    def _plan(request: Request, n: int, lane: Lane, plan: StepPlan) -> None:
+        """Schedule n tokens of the request this step; the blocks they fill enter the prefix cache now, so a request
+        admitted after it in this step reads them (BlockManager.cache_full_blocks; unplan if the forward fails)."""
+        plan.scheduled.append((request, n))
+        lane.block_manager.cache_full_blocks(request, request.num_computed_tokens + n)
 
     def _adapter_fits(self, request: Request) -> bool:
         """Its adapter is among the running requests' or one more stays within max_adapters (base always fits)."""
