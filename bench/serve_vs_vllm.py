@@ -80,6 +80,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--servers", default="batchrun,vllm", help="which to run (the table needs both)")
     ap.add_argument("--json")
     args = ap.parse_args()
     model = resolve_model_path("smollm2-135m")
@@ -87,6 +88,8 @@ def main() -> None:
     results = {"cpu": cpu_model(), "flags": flags, "dtype": args.dtype, "cells": {}}
     with tempfile.TemporaryDirectory() as out_dir:
         for port, server in ((8311, "batchrun"), (8312, "vllm")):
+            if server not in args.servers.split(","):
+                continue
             with open(os.path.join(out_dir, f"{server}.log"), "w") as log:
                 proc = start(server, model, args.dtype, port, args.max_num_seqs, log)
                 try:
@@ -100,6 +103,8 @@ def main() -> None:
                 finally:
                     proc.terminate()
                     proc.wait(60)
+    if len(args.servers.split(",")) < 2:
+        return
     print(f"\n{results['cpu']} ({flags}), {args.dtype}, {args.num_prompts} prompts of {args.input_len} tokens, "
           f"{args.output_len} out, EOS ignored, load average at the end {os.getloadavg()[0]:.1f}")
     print(f"{'endpoint':12} {'rate':>5} {'batchrun tok/s':>15} {'vLLM tok/s':>11} {'ratio':>6} "

@@ -1,4 +1,4 @@
-"""Serving on the CPU: small steps on one thread, larger ones on all (engine/step_threads.py), the graph built for
+"""Serving on the CPU: small steps on the thread count measured faster, larger ones on all (engine/step_threads.py), the graph built for
 both at start, and the starting thread's OpenMP workers released (engine/openmp_pool.py)."""
 import os
 import time
@@ -8,7 +8,7 @@ import torch
 
 from batchrun import SamplingParams
 from batchrun.engine import openmp_pool
-from batchrun.engine.step_threads import SMALL_STEP_TOKENS, StepThreads
+from batchrun.engine.step_threads import EXPLORE_EVERY, SMALL_STEP_TOKENS, WARM_STEPS, StepThreads
 
 
 @pytest.fixture
@@ -19,12 +19,25 @@ def two_threads():
     torch.set_num_threads(before)
 
 
-def test_small_steps_run_on_one_thread(two_threads):
+def test_small_steps_run_on_the_thread_count_their_times_say_is_faster(two_threads):
     threads = StepThreads()
-    threads.before_step(SMALL_STEP_TOKENS)
-    assert torch.get_num_threads() == 1
-    threads.before_step(SMALL_STEP_TOKENS + 1)
+
+    def small_steps(count, seconds):   # seconds[n]: what a small step on n threads takes
+        used = []
+        for _ in range(count):
+            threads.before_step(SMALL_STEP_TOKENS)
+            used.append(torch.get_num_threads())
+            threads.after_step(seconds[used[-1]])
+        return used
+
+    assert small_steps(2 * WARM_STEPS, {1: 0.02, 2: 0.01}) == [1, 2] * WARM_STEPS   # each tried in turn
+    used = small_steps(4 * EXPLORE_EVERY, {1: 0.02, 2: 0.01})
+    assert used.count(1) == 4 and used.count(2) == 4 * EXPLORE_EVERY - 4   # the other one now and then, no more
+    threads.before_step(SMALL_STEP_TOKENS + 1)   # a large step: every thread, and its time is not a small step's
     assert torch.get_num_threads() == 2
+    threads.after_step(5.0)
+    used = small_steps(6 * EXPLORE_EVERY, {1: 0.005, 2: 0.01})   # the load changed: one thread is faster now
+    assert used[-2 * EXPLORE_EVERY:].count(2) == 2   # only the tries of the slower choice
     threads.before_step(3)
     threads.restore()
     assert torch.get_num_threads() == 2

@@ -280,6 +280,8 @@ class Engine:
         elif not touched and self.scheduler.running:
             raise RuntimeError("scheduler planned no work while requests are running")
         clock.lap("update_s")
+        if self.step_threads is not None:
+            self.step_threads.after_step(clock.total)
         self._update_stats(shape, clock)
         for callback, _ in list(self._observers):
             callback(self.stats)
