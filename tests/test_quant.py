@@ -3,6 +3,7 @@ of a quantized tiny model equal transformers' float32 run on the same dequantize
 quantized the same way for W8A8), and formats batchrun does not run are refused from config.json alone."""
 import copy
 import json
+import time
 
 import pytest
 import torch
@@ -11,7 +12,8 @@ from batchrun import LLM, SamplingParams
 from batchrun.kernels import amx_linear
 from batchrun.quant import cpu_kernels, quantize, rotation
 from batchrun.quant.formats import scheme_for
-from batchrun.quant.linear import QuantizedLinear, make_kernel
+from batchrun.cpuinfo import cpu_flags
+from batchrun.quant.linear import QuantizedLinear, cpu_kernel_name, make_kernel
 from batchrun.quant.weights import pack_int4, unpack_int4
 from conftest import random_prompts, reference_greedy, save_tiny_model, tiny_config
 from quantkit import block_hadamard, quantize_activations, quantized_input, sylvester, write_quantized
@@ -77,6 +79,40 @@ def test_cpu_kernels_equal_the_dequantized_product(name, dtype):
     assert out.dtype == dtype and out.shape == (7, 192)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(out.float(), reference, atol=tol * reference.abs().max().item(), rtol=0)
+
+
+def test_onednn_w8a8_runs_a_fast_int8_path_where_the_cpu_has_vnni(capfd):
+    """Signed activations sent oneDNN's int8 matmul to its reference implementation on an AMD EPYC with
+    AVX512-VNNI (640 ms for SmolLM2's 576 -> 1,536 product at 32 rows); unsigned ones with zero point 128 run its
+    VNNI kernel, and the product stays exact."""
+    if not {"avx512_vnni", "avx_vnni", "amx_int8"} & set(cpu_flags()):
+        pytest.skip("no int8 dot-product instructions on this CPU")
+    torch.manual_seed(0)
+    q = quantize.int8_per_channel(torch.randn(64, 128), "int8")
+    qx = torch.randint(-128, 128, (4, 128), dtype=torch.int8)
+    kernel = cpu_kernels.Int8OneDNN(q)
+    capfd.readouterr()
+    with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+        out = kernel.product(qx, torch.float32)
+    matmuls = [line.split(",") for line in capfd.readouterr().out.splitlines() if ",matmul," in line]
+    if not matmuls:
+        pytest.skip("oneDNN printed no verbose line for the product")
+    assert not any(fields[fields.index("matmul") + 1].startswith("ref") for fields in matmuls), matmuls
+    assert torch.equal(out, (qx.float() @ q.data.float().t()) * q.scale)
+    assert cpu_kernels.onednn_int8_runs_fast()
+
+
+def test_w8a8_leaves_onednn_for_int_mm_where_onednn_is_slow(monkeypatch):
+    def reference_speed(self, qx, dtype):
+        time.sleep(0.01)
+        return torch.zeros(qx.shape[0], self.scale.numel(), dtype=dtype)
+    monkeypatch.setattr(cpu_kernels.Int8OneDNN, "product", reference_speed)
+    monkeypatch.setattr(amx_linear, "packable", lambda data: False)
+    cpu_kernels.onednn_int8_runs_fast.cache_clear()
+    try:
+        assert cpu_kernel_name(quantize.int8_per_channel(torch.randn(32, 64), "int8")) == "w8a8-intmm"
+    finally:
+        cpu_kernels.onednn_int8_runs_fast.cache_clear()
 
 
 def test_the_hadamard_rotation_is_block_diagonal_and_its_own_inverse():

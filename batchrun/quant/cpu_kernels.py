@@ -18,17 +18,23 @@ the 0.3B shapes at 32 rows 1.39 ms a layer against qlinear's 1.83; equal at 256 
 chunk in that run, where the float32 result was scaled out of place: with the result in the activations' dtype
 scaled in place, one 0.3B gate/up product at 1,024 rows takes 16 ms (plus 4.7 ms to quantize the activations
 eagerly) against packed bf16's 22, one thread; _int_mm was faster on SmolLM2's small decode products in this single noisy run but 2x
-slower than oneDNN on the 0.3B shapes, not re-measured), W8A16 -> _weight_int8pack_mm (the only int8-weight,
-16-bit-activation kernel shipped; slower than bf16), fp8 -> the widening emulation (torch._scaled_mm on the CPU
-is slower still at decode), int4 -> the int4pack kernel (1.6x bf16 on SmolLM2's decode, 0.84x on the 0.3B
-shape). No shipped kernel beats packed bf16 at prefill sizes.
+slower than oneDNN on the 0.3B shapes, not re-measured), its activations unsigned, where it runs a fast path
+(onednn_int8_runs_fast; on an AMD EPYC without AMX, one thread, 32 rows: 0.70 / 0.66 ms for the 0.3B's
+1,024 -> 4,096 / 4,096 -> 1,024 against packed bf16's 1.62 / 1.28 and _int_mm's 1.09 / 2.00), else _int_mm;
+W8A16 -> _weight_int8pack_mm (the only int8-weight, 16-bit-activation kernel shipped; slower than bf16), fp8 ->
+the widening emulation (torch._scaled_mm on the CPU is slower still at decode), int4 -> the int4pack kernel (1.6x
+bf16 on SmolLM2's decode, 0.84x on the 0.3B shape). No shipped kernel beats packed bf16 at prefill sizes.
 """
 from __future__ import annotations
+
+import functools
+import time
 
 import torch
 import torch.nn.functional as F
 
 from batchrun.kernels import amx_linear
+from batchrun.quant import quantize
 from batchrun.quant.quantize import fake_quantize_rows
 from batchrun.quant.weights import QuantizedWeight, unpack_int4
 
@@ -71,7 +77,12 @@ class W8A8:
 
 
 class Int8OneDNN(W8A8):
-    """W8A8 through oneDNN's qlinear on a pre-packed weight, the weight scale applied inside."""
+    """W8A8 through oneDNN's qlinear on a pre-packed weight, the weight scale applied inside.
+
+    The activations go in unsigned, with zero point 128 (the sign bit flipped: v + 128 for every int8 v): oneDNN's
+    fast int8 products multiply unsigned by signed bytes (VNNI's vpdpbusd), and given signed activations it fell
+    back to its reference matmul (`ref_int8` in ONEDNN_VERBOSE) on an AMD EPYC with AVX512-VNNI: 640 ms for SmolLM2's
+    576 -> 1,536 product at 32 rows, against 0.18 ms unsigned (packed bf16: 0.33). Exact either way."""
 
     def __init__(self, w: QuantizedWeight):
         self.packed = torch.ops.onednn.qlinear_prepack(w.data.contiguous(), [BATCH_HINT, w.in_features])
@@ -79,8 +90,9 @@ class Int8OneDNN(W8A8):
         self.zero_points = torch.zeros(w.out_features, dtype=torch.long)
 
     def product(self, qx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return torch.ops.onednn.qlinear_pointwise(qx, 1.0, 0, self.packed, self.scale, self.zero_points, None, 1.0,
-                                                  0, product_dtype(dtype), "none", [], "")
+        unsigned = qx.view(torch.uint8).bitwise_xor(0x80)
+        return torch.ops.onednn.qlinear_pointwise(unsigned, 1.0, 128, self.packed, self.scale, self.zero_points, None,
+                                                  1.0, 0, product_dtype(dtype), "none", [], "")
 
 
 class Int8Amx(W8A8):
@@ -104,6 +116,29 @@ class Int8IntMM(W8A8):
 
     def product(self, qx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return (torch._int_mm(qx, self.weight_t) * self.scale).to(product_dtype(dtype))
+
+
+@functools.cache
+def onednn_int8_runs_fast() -> bool:
+    """Whether oneDNN's qlinear runs a fast int8 path here: within 3x aten._int_mm's time on a small decode-sized
+    product (32 rows, 256 -> 512; best of 3 after a warm-up each, about 70 us for either where both are fast).
+    Where oneDNN has no fast int8 path for the CPU it runs its reference matmul, thousands of times slower (see
+    Int8OneDNN). Only that is caught: at the real layers' shapes the fast qlinear measured 1.0-3.0x faster than
+    _int_mm (AMD EPYC, one thread, 32 and 256 rows: SmolLM2's 576 -> 1,536, the 0.3B Llama's 1,024 -> 4,096 and
+    4,096 -> 1,024), a difference this small product does not show."""
+    torch.manual_seed(0)
+    weight = quantize.int8_per_channel(torch.randn(512, 256), "int8")
+    qx = torch.randint(-127, 128, (BATCH_HINT, 256), dtype=torch.int8)
+    times = {}
+    for kernel in (Int8OneDNN(weight), Int8IntMM(weight)):
+        kernel.product(qx, torch.float32)
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            kernel.product(qx, torch.float32)
+            best = min(best, time.perf_counter() - start)
+        times[type(kernel)] = best
+    return times[Int8OneDNN] <= 3 * times[Int8IntMM]
 
 
 def product_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -28,7 +28,8 @@ def cpu_kernel_name(weight: QuantizedWeight) -> str:
             return "w8a16"
         if amx_linear.packable(weight.data):
             return "w8a8-amx"
-        return "w8a8-onednn" if hasattr(torch.ops.onednn, "qlinear_prepack") else "w8a8-intmm"
+        onednn = hasattr(torch.ops.onednn, "qlinear_prepack") and cpu_kernels.onednn_int8_runs_fast()
+        return "w8a8-onednn" if onednn else "w8a8-intmm"
     return {"fp8": "fp8-dequant", "int4": "int4"}[weight.kind]
 
 
