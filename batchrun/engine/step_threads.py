@@ -22,17 +22,20 @@ WEIGHT = 0.25        # of a new step time in its choice's running mean (4 tries 
 
 
 class StepThreads:
-    """Sets torch's thread count before each step; `after_step(seconds)` reports the forward's time, `restore()`
+    """Sets torch's thread count before each step; `after_step(seconds)` reports the step's time, `restore()`
     puts the full count back."""
 
     def __init__(self, small_step_tokens: int = SMALL_STEP_TOKENS):
         self.full = self.current = torch.get_num_threads()
         self.small_step_tokens = small_step_tokens
-        self.mean = {1: 0.0, self.full: 0.0}   # seconds per small step's forward, per thread count
-        self.seen = {1: 0, self.full: 0}
-        self.small_steps = 0
+        self._forget_times()
         self.timing: int | None = None   # the thread count of the small step whose time comes next
         self.forced: int | None = None   # a thread count for every small step (the warm-up's)
+
+    def _forget_times(self) -> None:
+        self.mean = {1: 0.0, self.full: 0.0}   # seconds per small step, per thread count
+        self.seen = {1: 0, self.full: 0}
+        self.small_steps = 0
 
     def choice(self) -> int:
         """The thread count for the next small step."""
@@ -70,8 +73,7 @@ class StepThreads:
                 engine.warm_up()
             finally:
                 self.forced = None
-            self.mean, self.seen = {1: 0.0, self.full: 0.0}, {1: 0, self.full: 0}   # compiling is no step's measure
-            self.small_steps = 0
+            self._forget_times()   # compiling is no step's measure
             engine.one_thread_warm = True
 
     def restore(self) -> None:

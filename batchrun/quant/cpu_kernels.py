@@ -126,9 +126,9 @@ def onednn_int8_runs_fast() -> bool:
     Int8OneDNN). Only that is caught: at the real layers' shapes the fast qlinear measured 1.0-3.0x faster than
     _int_mm (AMD EPYC, one thread, 32 and 256 rows: SmolLM2's 576 -> 1,536, the 0.3B Llama's 1,024 -> 4,096 and
     4,096 -> 1,024), a difference this small product does not show."""
-    torch.manual_seed(0)
-    weight = quantize.int8_per_channel(torch.randn(512, 256), "int8")
-    qx = torch.randint(-127, 128, (BATCH_HINT, 256), dtype=torch.int8)
+    rng = torch.Generator().manual_seed(0)   # not the caller's random state
+    weight = quantize.int8_per_channel(torch.randn(512, 256, generator=rng), "int8")
+    qx = torch.randint(-127, 128, (BATCH_HINT, 256), dtype=torch.int8, generator=rng)
     times = {}
     for kernel in (Int8OneDNN(weight), Int8IntMM(weight)):
         kernel.product(qx, torch.float32)
