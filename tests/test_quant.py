@@ -163,22 +163,27 @@ def test_the_rotation_spreads_an_outlier_channel_for_w8a8():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_fused_rotation_kernel_quantizes_as_the_dense_rotation(dtype):
     """rotate_quant.cpp (a fast Walsh-Hadamard transform and the per-row int8 in one pass) against the dense
-    rotation and fake_quantize_rows: the same scales, codes within one step (float sums in another order)."""
+    rotation and fake_quantize_rows: the same scales, codes within one step (float sums in another order); the
+    unsigned form is the same codes + 128. Blocks of 1 to 8 vectors go through registers where the CPU has
+    AVX-512, 8 through memory."""
     from batchrun.kernels import rotate_quant
     if rotate_quant.load() is None:
         pytest.skip("the C++ kernels do not build here")
     torch.manual_seed(0)
-    for k, block in ((1024, 128), (576, 64), (96, 32), (24, 8)):
+    for k, block in ((1024, 128), (576, 64), (96, 32), (48, 16), (24, 8)):
         x = torch.randn(5, k)
         x[:, 3] *= 50
         x = x.to(dtype)
-        q, scale = torch.ops.batchrun.rotate_quantize(x, block)
+        q, scale = rotate_quant.quantize(x, block)
         ref_q, ref_scale = quantize.fake_quantize_rows(x.float() @ block_hadamard(k), "int8")
         assert q.dtype == torch.int8 and scale.shape == (5, 1)
         torch.testing.assert_close(scale, ref_scale, rtol=1e-5, atol=0)
         assert (q.int() - ref_q.int()).abs().max() <= 1 and (q != ref_q).float().mean() < 0.01
+        unsigned, unsigned_scale = rotate_quant.quantize(x, block, flip_sign=True)
+        assert unsigned.dtype == torch.uint8 and torch.equal(unsigned_scale, scale)
+        assert torch.equal(unsigned.int() - 128, q.int())
     with pytest.raises(RuntimeError, match="power of two dividing K"):
-        torch.ops.batchrun.rotate_quantize(torch.randn(2, 96), 64)
+        rotate_quant.quantize(torch.randn(2, 96), 64)
 
 
 def test_cuda_dispatch_passes_the_canonical_weights_to_quant_gemm(monkeypatch):

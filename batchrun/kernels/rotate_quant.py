@@ -16,14 +16,14 @@ _kernel = cpp_build.Kernel("batchrun_rotate_quant",
 load = _kernel.load   # the compiled module, or None (see cpp_build.load)
 
 
-@torch.library.custom_op("batchrun::rotate_quantize", mutates_args=())
-def rotate_quantize(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (float32, bfloat16 or float16) -> (int8 [M, K], float32 scale [M, 1]) of x H; call only when load()
-    returned a module."""
-    q, scale = _kernel.module.rotate_quantize(x.contiguous(), block)
-    return q, scale
+def quantize(x: torch.Tensor, block: int, flip_sign: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (float32, bfloat16 or float16) -> (codes [M, K], float32 scale [M, 1]) of x H: int8 codes, or
+    uint8 codes + 128 where flip_sign (for kernels taking unsigned activations, zero point 128). Call only when
+    load() returned a module."""
+    return _kernel.module.rotate_quantize(x.contiguous(), block, flip_sign)
 
 
-@rotate_quantize.register_fake
-def _(x, block):
-    return x.new_empty(x.shape, dtype=torch.int8), x.new_empty(x.shape[0], 1, dtype=torch.float32)
+def scale_rows_(out: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """out [M, N] (contiguous, float32, bfloat16 or float16) times the float32 scale [M, 1], in place, rounded
+    once: a W8A8 product's row scale."""
+    return _kernel.module.scale_rows_(out, scale)

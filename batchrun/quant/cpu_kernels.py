@@ -33,7 +33,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from batchrun.kernels import amx_linear
+from batchrun.kernels import amx_linear, rotate_quant
 from batchrun.quant import quantize
 from batchrun.quant.quantize import fake_quantize_rows
 from batchrun.quant.weights import QuantizedWeight, unpack_int4
@@ -65,11 +65,30 @@ class W8A8:
     `product` (without the row scale), then the row scale. linear.py quantizes the activations itself (traced, or
     rotated) and calls `product` or `scaled_product`."""
     input_scale: torch.Tensor | None
+    unsigned_codes = False   # whether the kernel's own form of the codes is uint8 (int8 + 128), see codes_product
+
+    def product(self, qx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The product of int8 activations, without their row scale."""
+        return self.codes_product(qx, dtype)
+
+    def codes_product(self, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The product of activation codes in the kernel's own form (int8, or uint8 where unsigned_codes)."""
+        raise NotImplementedError
 
     def scaled_product(self, qx: torch.Tensor, row_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self._scaled(self.product(qx, dtype), row_scale, dtype)
+
+    def rotated_product(self, x: torch.Tensor, block: int) -> torch.Tensor:
+        """x [M, K] rotated and quantized per row in one pass (rotate_quant.cpp, straight into the kernel's form of
+        the codes), the product, the row scale: the layer's output in x's dtype."""
+        codes, row_scale = rotate_quant.quantize(x, block, flip_sign=self.unsigned_codes)
+        return rotate_quant.scale_rows_(self.codes_product(codes, x.dtype), row_scale).to(x.dtype)
+
+    @staticmethod
+    def _scaled(product: torch.Tensor, row_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         # In place in the activations' dtype: a float32 result scaled out of place cost 4x the product itself at
         # 1,024 rows (a fresh 32 MiB result and a broadcast over two copies).
-        return self.product(qx, dtype).mul_(row_scale).to(dtype)
+        return product.mul_(row_scale).to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         qx, row_scale = fake_quantize_rows(x, "int8", self.input_scale)
@@ -89,9 +108,13 @@ class Int8OneDNN(W8A8):
         self.scale, self.input_scale = w.scale.float(), w.input_scale
         self.zero_points = torch.zeros(w.out_features, dtype=torch.long)
 
+    unsigned_codes = True
+
     def product(self, qx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        unsigned = qx.view(torch.uint8).bitwise_xor(0x80)
-        return torch.ops.onednn.qlinear_pointwise(unsigned, 1.0, 128, self.packed, self.scale, self.zero_points, None,
+        return self.codes_product(qx.view(torch.uint8).bitwise_xor(0x80), dtype)
+
+    def codes_product(self, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return torch.ops.onednn.qlinear_pointwise(codes, 1.0, 128, self.packed, self.scale, self.zero_points, None,
                                                   1.0, 0, product_dtype(dtype), "none", [], "")
 
 
@@ -103,7 +126,7 @@ class Int8Amx(W8A8):
         self.packed = amx_linear.PackedWeight(w.data)
         self.scale, self.input_scale = w.scale.float().reshape(-1).contiguous(), w.input_scale
 
-    def product(self, qx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def codes_product(self, qx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return amx_linear.int8_product(qx, self.packed, self.scale, product_dtype(dtype))
 
 
@@ -114,7 +137,7 @@ class Int8IntMM(W8A8):
         self.weight_t = w.data.t()
         self.scale, self.input_scale = w.scale.float(), w.input_scale
 
-    def product(self, qx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def codes_product(self, qx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return (torch._int_mm(qx, self.weight_t) * self.scale).to(product_dtype(dtype))
 
 
