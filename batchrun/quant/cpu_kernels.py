@@ -62,8 +62,8 @@ class Int8WeightOnly:
 
 class W8A8:
     """A W8A8 kernel: the activations quantized per token (or by the static scale), then the subclass's int8
-    `product` (without the row scale), then the row scale. linear.py quantizes the activations itself (traced, or
-    rotated) and calls `product` or `scaled_product`."""
+    `product` (without the row scale), then the row scale. linear.py quantizes the activations itself (traced) and
+    calls `product` or `scaled_product`, or, for a layer under the rotation, calls `rotated_product`."""
     input_scale: torch.Tensor | None
     unsigned_codes = False   # whether the kernel's own form of the codes is uint8 (int8 + 128), see codes_product
 
@@ -76,19 +76,15 @@ class W8A8:
         raise NotImplementedError
 
     def scaled_product(self, qx: torch.Tensor, row_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return self._scaled(self.product(qx, dtype), row_scale, dtype)
+        # In place in the activations' dtype: a float32 result scaled out of place cost 4x the product itself at
+        # 1,024 rows (a fresh 32 MiB result and a broadcast over two copies).
+        return self.product(qx, dtype).mul_(row_scale).to(dtype)
 
     def rotated_product(self, x: torch.Tensor, block: int) -> torch.Tensor:
         """x [M, K] rotated and quantized per row in one pass (rotate_quant.cpp, straight into the kernel's form of
         the codes), the product, the row scale: the layer's output in x's dtype."""
         codes, row_scale = rotate_quant.quantize(x, block, flip_sign=self.unsigned_codes)
         return rotate_quant.scale_rows_(self.codes_product(codes, x.dtype), row_scale).to(x.dtype)
-
-    @staticmethod
-    def _scaled(product: torch.Tensor, row_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        # In place in the activations' dtype: a float32 result scaled out of place cost 4x the product itself at
-        # 1,024 rows (a fresh 32 MiB result and a broadcast over two copies).
-        return product.mul_(row_scale).to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         qx, row_scale = fake_quantize_rows(x, "int8", self.input_scale)
