@@ -15,6 +15,7 @@ from batchrun import LLM, SamplingParams
 from batchrun.engine import loader
 from batchrun.models.llama import LlamaForCausalLM
 from batchrun.engine.parallel.shard import Shard, check
+from batchrun.engine.request import RequestOutput
 from conftest import random_prompts, save_tiny_model
 
 # Pools sized so that TP 1 and TP 2 (half the KV heads per rank, half the bytes per token) get the same number of
@@ -81,7 +82,7 @@ class TestOneEnginePair:
             requests = [llm.engine.add_request(p, GREEDY, lane="interactive") for p in prompts]
             while llm.engine.has_unfinished():
                 llm.engine.step()
-            outs.append([llm.engine._sample_output(r) for r in requests])
+            outs.append([RequestOutput.of(r) for r in requests])
         same(*outs)
 
 

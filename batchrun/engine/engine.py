@@ -18,6 +18,7 @@ from batchrun.engine.model_build import build_model
 from batchrun.engine.model_runner import ModelRunner
 from batchrun.engine.request import Request, RequestOutput
 from batchrun.engine.sampler import Sampler
+from batchrun.engine.sampling_isolation import accept_into_grammar, sample_alone_on_failure
 from batchrun.engine.scheduler import Lane, Scheduler, WaitingQueue, default_admission_key
 from batchrun.engine.step_stats import PhaseClock, StepShape, StepStats
 from batchrun.engine.step_threads import StepThreads
@@ -263,8 +264,8 @@ class Engine:
             if self._grammars is not None:
                 dead = self._grammars.mask(logits, [r.grammar for r in sample_reqs])
                 failed.update((sample_reqs[i], why) for i, why in dead.items())
-            sampled = self._sample(logits, sample_reqs, failed)
-            sampled = [s for s in sampled if self._accept(s[0], s[1], failed)]
+            sampled = sample_alone_on_failure(self.sampler, logits, sample_reqs, failed)
+            sampled = [s for s in sampled if accept_into_grammar(s[0], s[1], failed)]
             clock.lap("sample_s")
             finished = self.scheduler.update(plan, sampled)
             for request, why in failed.items():
@@ -288,44 +289,6 @@ class Engine:
         if self.device.type == "cpu":
             cpu_gemm.return_freed_memory()
         return [self._output(r) for r in touched]
-
-    def _sample(self, logits: torch.Tensor, requests: list[Request],
-                failed: dict[Request, str]) -> list[tuple[Request, int, float | None]]:
-        """(request, token, logprob) for each request not in `failed`. When the batched sampler raises, each
-        request is sampled alone, and those that still raise join `failed`; when every one of them raises, the
-        fault is not one request's and it propagates."""
-        live = [i for i, r in enumerate(requests) if r not in failed]
-        if not live:
-            return []
-        rows = [requests[i] for i in live]
-        try:
-            tokens, logprobs = self.sampler(logits if len(live) == len(requests) else logits[live], rows)
-            return list(zip(rows, tokens, logprobs))
-        except Exception as exc:   # noqa: BLE001 -- find the request(s) it came from
-            batch_error = exc
-        sampled = []
-        for i, request in zip(live, rows):
-            try:
-                (token,), (logprob,) = self.sampler(logits[i:i + 1], [request])
-                sampled.append((request, token, logprob))
-            except Exception as exc:   # noqa: BLE001
-                failed[request] = f"sampling failed: {type(exc).__name__}: {exc}"
-        if not sampled and len(rows) > 1:
-            raise batch_error
-        return sampled
-
-    @staticmethod
-    def _accept(request: Request, token: int, failed: dict[Request, str]) -> bool:
-        """Feed the sampled token to the request's grammar; False (and the request in `failed`) when it cannot."""
-        if request.grammar is None:
-            return True
-        try:
-            if request.grammar.accept_token(token):
-                return True
-            failed[request] = f"structured output: the grammar refused token {token}"
-        except Exception as exc:   # noqa: BLE001
-            failed[request] = f"structured output: the grammar matcher failed ({exc})"
-        return False
 
     def _fork(self, logits: torch.Tensor, sample_reqs: list[Request],
               failed: dict[Request, str]) -> tuple[torch.Tensor, list[Request]]:
@@ -376,27 +339,13 @@ class Engine:
     def _output(self, request: Request) -> RequestOutput:
         """The request's output now. When it is the last of its prompt's samples to finish, the output carries the
         final outputs of all of them (prompt_outputs, by sample_index), and the engine forgets the prompt."""
-        out = self._sample_output(request)
+        out = RequestOutput.of(request)
         samples = self.requests.get(request.request_id, [])
         if out.finished and len(samples) == request.num_samples and all(r.finished for r in samples):
             del self.requests[request.request_id]
-            out.prompt_outputs = [out if r is request else self._sample_output(r)
+            out.prompt_outputs = [out if r is request else RequestOutput.of(r)
                                   for r in sorted(samples, key=lambda r: r.sample_index)]
         return out
-
-    @staticmethod
-    def _sample_output(request: Request) -> RequestOutput:
-        done = request.finished
-        return RequestOutput(
-            request_id=request.request_id, prompt_tokens=request.num_prompt_tokens,
-            token_ids=request.output_token_ids, text=request.text if done else None, finished=done,
-            finish_reason=request.finish_reason, error=request.error,
-            logprobs=list(request.logprobs) if request.params.logprobs else None,
-            prompt_logprobs=[None, *request.prompt_logprobs] if request.params.prompt_logprobs else None,
-            cached_tokens=request.num_cached_tokens,
-            time_to_first_token=(request.first_token_time - request.arrival_time) if request.first_token_time else None,
-            latency=(request.finish_time - request.arrival_time) if done else None, sample_index=request.sample_index,
-            num_samples=request.num_samples)
 
     def _update_stats(self, shape: StepShape, clock: "PhaseClock") -> None:
         s = self.stats

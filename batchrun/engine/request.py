@@ -106,3 +106,18 @@ class RequestOutput:
         out = cls(request_id, prompt_tokens, [], "", True, "error", error=error)
         out.prompt_outputs = [out]
         return out
+
+    @classmethod
+    def of(cls, request: Request) -> "RequestOutput":
+        """The request's own output now (prompt_outputs left to the engine)."""
+        done = request.finished
+        return cls(
+            request_id=request.request_id, prompt_tokens=request.num_prompt_tokens,
+            token_ids=request.output_token_ids, text=request.text if done else None, finished=done,
+            finish_reason=request.finish_reason, error=request.error,
+            logprobs=list(request.logprobs) if request.params.logprobs else None,
+            prompt_logprobs=[None, *request.prompt_logprobs] if request.params.prompt_logprobs else None,
+            cached_tokens=request.num_cached_tokens,
+            time_to_first_token=(request.first_token_time - request.arrival_time) if request.first_token_time else None,
+            latency=(request.finish_time - request.arrival_time) if done else None, sample_index=request.sample_index,
+            num_samples=request.num_samples)
