@@ -9,10 +9,10 @@ the KV pool) and the weights' bytes as held (packed copies, scales); then `--req
 (ignore_eos) after a warm-up, `--repeats` times; output tokens/s of the fastest call (each call's is printed: on a
 shared machine a neighbour's burst slows one call), and per CPU second of this process.
 
-The load peak is split: building the model (the loader: its peak over the RSS when it starts, per weight byte),
-before it (config, tokenizer) and after it (the KV pool's pages as first touched, the warm-up and, with --compile,
-the whole-model compile: sizes that do not grow with the weights). The headline subtracts the whole KV pool,
-resident or not.
+The load peak is split: building the model (the loader: the process's peak when it returns over the RSS when it
+starts, per weight byte; an upper bound where an earlier peak was higher), before it (config, tokenizer) and after it
+(the KV pool's pages as first touched and, with --compile, the warm-up and whole-model compile, which run in
+LLM(...): sizes that do not grow with the weights). The headline subtracts the whole KV pool, resident or not.
 
 Formats: float32 / bfloat16 (float weights in that compute dtype),
 and engine.quantization values (int8 = W8A8, int8-w8a16, fp8, int4) on bfloat16 compute; `W:none` /
@@ -136,6 +136,8 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="the whole-model graph (compiles in each process)")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error("--repeats: at least 1")
     if args.child:
         print(json.dumps(child(*args.child, args.requests, args.max_tokens, args.repeats)))
         return

@@ -106,7 +106,11 @@ def test_w8a8_leaves_onednn_for_int_mm_where_onednn_is_slow(monkeypatch):
     def reference_speed(self, qx, dtype):
         time.sleep(0.01)
         return torch.zeros(qx.shape[0], self.scale.numel(), dtype=dtype)
+
+    def instant(self, qx, dtype):   # not the real _int_mm: its time on a loaded machine is not the test's
+        return torch.zeros(qx.shape[0], self.scale.numel(), dtype=dtype)
     monkeypatch.setattr(cpu_kernels.Int8OneDNN, "product", reference_speed)
+    monkeypatch.setattr(cpu_kernels.Int8IntMM, "product", instant)
     monkeypatch.setattr(amx_linear, "packable", lambda data: False)
     cpu_kernels.onednn_int8_runs_fast.cache_clear()
     try:
@@ -165,7 +169,7 @@ def test_the_fused_rotation_kernel_quantizes_as_the_dense_rotation(dtype):
     """rotate_quant.cpp (a fast Walsh-Hadamard transform and the per-row int8 in one pass) against the dense
     rotation and fake_quantize_rows: the same scales, codes within one step (float sums in another order); the
     unsigned form is the same codes + 128. Blocks of 1 to 8 vectors go through registers where the CPU has
-    AVX-512, 8 through memory."""
+    AVX-512, a block of 8 channels through memory."""
     from batchrun.kernels import rotate_quant
     if rotate_quant.load() is None:
         pytest.skip("the C++ kernels do not build here")
@@ -184,6 +188,23 @@ def test_the_fused_rotation_kernel_quantizes_as_the_dense_rotation(dtype):
         assert torch.equal(unsigned.int() - 128, q.int())
     with pytest.raises(RuntimeError, match="power of two dividing K"):
         rotate_quant.quantize(torch.randn(2, 96), 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_scale_rows_multiplies_each_row_in_place_rounding_once(dtype):
+    """The W8A8 product's row scale (rotate_quant.cpp): out[r] * scale[r] in float32, rounded once to out's dtype,
+    whole vectors and tails alike."""
+    from batchrun.kernels import rotate_quant
+    if rotate_quant.load() is None:
+        pytest.skip("the C++ kernels do not build here")
+    torch.manual_seed(0)
+    for n in (1, 7, 16, 31, 33, 100):
+        out, scale = torch.randn(5, n).to(dtype), torch.rand(5, 1) * 3
+        expected = (out.float() * scale).to(dtype)
+        assert rotate_quant.scale_rows_(out, scale) is out
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="scale must be float32"):
+        rotate_quant.scale_rows_(torch.randn(2, 4), torch.ones(3, 1))
 
 
 def test_cuda_dispatch_passes_the_canonical_weights_to_quant_gemm(monkeypatch):

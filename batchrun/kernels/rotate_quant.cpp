@@ -82,7 +82,8 @@ inline Vec rotate_block(const T* x, float* y, float norm, Vec top) {
   return top;
 }
 
-// x H of one row into y, scaled by norm; its max |y| (0 where the block size has no register path here).
+// x H of one row into y, scaled by norm, and its max |y| in amax; false (y and amax untouched) where the block
+// size has no register path here.
 template <typename T>
 inline bool rotate_row_in_registers(const T* x, float* y, int64_t k, int64_t block, float norm, float& amax) {
   Vec top(0.f);
@@ -212,6 +213,6 @@ at::Tensor scale_rows_(at::Tensor out, const at::Tensor& scale) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rotate_quantize", &rotate_quantize, "rows rotated by block Hadamard matrices and quantized to int8");
+  m.def("rotate_quantize", &rotate_quantize, "rows rotated by block Hadamard matrices and quantized to int8 codes (or uint8 codes + 128)");
   m.def("scale_rows_", &scale_rows_, "each row times its float32 scale, in place");
 }

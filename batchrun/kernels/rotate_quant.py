@@ -1,7 +1,7 @@
 """The rotated W8A8 activations' quantization on the CPU (rotate_quant.cpp): each row's block Hadamard rotation by a
 fast Walsh-Hadamard transform and its per-row int8 quantization in one pass. In the whole-model graph the dense
 rotation (a float32 product with the [block, block] matrix) and the traced quantization cost the 0.3B Llama shape's
-W8A8 decode 16 % of its throughput (bench/quantized.py)."""
+W8A8 decode 16 % of its throughput (bench/quantized.py). Also the product's row scale, in place (scale_rows_)."""
 from __future__ import annotations
 
 from pathlib import Path

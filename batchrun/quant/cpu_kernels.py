@@ -61,8 +61,8 @@ class Int8WeightOnly:
 
 
 class W8A8:
-    """A W8A8 kernel: the activations quantized per token (or by the static scale), then the subclass's int8
-    `product` (without the row scale), then the row scale. linear.py quantizes the activations itself (traced) and
+    """A W8A8 kernel: the activations quantized per token (or by the static scale), then the subclass's
+    `codes_product` (without the row scale), then the row scale. linear.py quantizes the activations itself (traced) and
     calls `product` or `scaled_product`, or, for a layer under the rotation, calls `rotated_product`."""
     input_scale: torch.Tensor | None
     unsigned_codes = False   # whether the kernel's own form of the codes is uint8 (int8 + 128), see codes_product
@@ -77,8 +77,12 @@ class W8A8:
 
     def scaled_product(self, qx: torch.Tensor, row_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         # In place in the activations' dtype: a float32 result scaled out of place cost 4x the product itself at
-        # 1,024 rows (a fresh 32 MiB result and a broadcast over two copies).
-        return self.product(qx, dtype).mul_(row_scale).to(dtype)
+        # 1,024 rows (a fresh 32 MiB result and a broadcast over two copies); aten's mul_ by the float32 scale
+        # still widens into a temporary, scale_rows_ does not.
+        product = self.product(qx, dtype)
+        if rotate_quant.load() is None:
+            return product.mul_(row_scale).to(dtype)
+        return rotate_quant.scale_rows_(product, row_scale.contiguous()).to(dtype)   # a static scale is expanded
 
     def rotated_product(self, x: torch.Tensor, block: int) -> torch.Tensor:
         """x [M, K] rotated and quantized per row in one pass (rotate_quant.cpp, straight into the kernel's form of

@@ -74,8 +74,9 @@ class QuantizedLinear:
         if self.fused_rotation:
             # One opaque op: rotation, quantization (straight into the kernel's form of the codes), product, row
             # scale. As two ops (the quantization's, the product's) with the sign flip and row scale between them,
-            # they took 147 us a product beside oneDNN's, against 109 us (profiled, 0.3B Llama shape, 32 rows):
-            # the model's forward 80.0 -> 73.9 ms a decode step.
+            # they took 147 us a product beside oneDNN's, against 109 us, in one torch-profiler run each (0.3B
+            # Llama shape, 32 rows, AMD EPYC; forward 80.0 -> 73.9 ms a decode step). End to end the gain was
+            # within that machine's noise (README, quantized weights).
             out = (torch.ops.batchrun.rotated_w8a8(rows, self.handle, self.out_features, self.rotation)
                    if torch.compiler.is_compiling() else self.kernel.rotated_product(rows, self.rotation))
         elif self.w8a8:
