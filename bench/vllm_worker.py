@@ -7,7 +7,9 @@ REQUEST: {"model": dir, "dtype": "float32"|"bfloat16", "max_num_seqs": int, "war
           "one_process": bool (optional: engine core and worker in this process)
           "lora": {"adapters": {name: PEFT dir}, "max_rank": int} (optional: enable_lora, max_loras = the count;
                   a workload's "adapters": [name or null per prompt]; the warm-up runs once under each adapter)
-RESULT:  {"version", "load_s", "workloads": {name: {"wall_s", "cpu_s", "output_tokens", "token_ids"}}}
+          "repeats": int (optional, default 1: timed calls of each workload, the prefix cache reset before each)
+RESULT:  {"version", "load_s", "workloads": {name: {"wall_s", "cpu_s", "output_tokens", "token_ids" (of the
+          fastest call), "wall_s_each"}}}
 Greedy, EOS ignored, each request its own max_tokens, prefix caching on; model load and compile (with a warm-up
 request) are not timed.
 """
@@ -36,17 +38,23 @@ def main():
         llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in request["warm_up"]],
                      SamplingParams(max_tokens=4, temperature=0), use_tqdm=False, lora_request=adapter)
     result = dict(version=vllm.__version__, load_s=time.perf_counter() - start, workloads={})
-    for name, work in request["workloads"].items():
-        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in work["prompts"]]
-        params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in work["max_tokens"]]
-        start, cpu = time.perf_counter(), time.process_time()
-        named = work.get("adapters")
-        outs = llm.generate(prompts, params, use_tqdm=False,
-                            lora_request=[adapters.get(name) for name in named] if named else None)
-        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-        ids = [list(o.outputs[0].token_ids) for o in outs]
-        result["workloads"][name] = dict(wall_s=wall, cpu_s=cpu, output_tokens=sum(map(len, ids)), token_ids=ids)
-        print(f"vLLM {request['dtype']} {name}: {wall:.1f}s", file=sys.stderr, flush=True)
+    for _ in range(request.get("repeats", 1)):   # each workload's fastest call is kept, every call's time listed
+        for name, work in request["workloads"].items():
+            prompts = [TokensPrompt(prompt_token_ids=ids) for ids in work["prompts"]]
+            params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in work["max_tokens"]]
+            llm.reset_prefix_cache()   # every call starts as the first did: no prompt cached by an earlier one
+            start, cpu = time.perf_counter(), time.process_time()
+            named = work.get("adapters")
+            outs = llm.generate(prompts, params, use_tqdm=False,
+                                lora_request=[adapters.get(name) for name in named] if named else None)
+            wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+            ids = [list(o.outputs[0].token_ids) for o in outs]
+            fastest = result["workloads"].get(name)
+            each = (fastest["wall_s_each"] if fastest else []) + [wall]
+            if fastest is None or wall < fastest["wall_s"]:
+                fastest = dict(wall_s=wall, cpu_s=cpu, output_tokens=sum(map(len, ids)), token_ids=ids)
+            result["workloads"][name] = {**fastest, "wall_s_each": each}
+            print(f"vLLM {request['dtype']} {name}: {wall:.1f}s", file=sys.stderr, flush=True)
     json.dump(result, open(sys.argv[2], "w"))
 
 

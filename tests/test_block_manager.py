@@ -80,3 +80,35 @@ def test_lru_eviction_and_double_free():
     b.block_table = table
     with pytest.raises(RuntimeError, match="freed twice"):
         bm.free_request(b)
+
+
+def test_reset_prefix_cache_forgets_free_blocks_only():
+    """A benchmark's repeated run starts from no cached prompt, while a running request keeps its blocks' hashes."""
+    bm = BlockManager(num_blocks=16, block_size=4)
+    done, running = make_request(range(10)), make_request(range(100, 110))
+    admit(bm, done)
+    admit(bm, running)
+    bm.free_request(done)
+    assert bm.reset_prefix_cache() == 2   # done's two full blocks
+    bm.check_integrity()
+    assert bm.get_computed_blocks(make_request(range(10))) == []
+    assert bm.get_computed_blocks(make_request(range(100, 110))) == running.block_table[:2]
+    assert bm.reset_prefix_cache() == 0
+
+
+def test_llm_reset_prefix_cache_recomputes_a_repeated_prompt(tiny_model):
+    from batchrun import LLM, SamplingParams
+    path, _ = tiny_model
+    llm = LLM(model=path, dtype="float32", block_size=4)
+    prompt, params = list(range(3, 23)), SamplingParams(max_tokens=2, temperature=0)
+    first = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert llm.generate([prompt], params, use_tqdm=False)[0].cached_tokens > 0
+    assert llm.reset_prefix_cache() > 0
+    again = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert again.cached_tokens == 0 and again.token_ids == first.token_ids
+    llm.start_background()
+    try:
+        with pytest.raises(RuntimeError, match="stop_background"):
+            llm.reset_prefix_cache()
+    finally:
+        llm.stop_background()

@@ -105,6 +105,16 @@ class BlockManager:
         del request.block_hashes[full:]
         return dropped
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the cached prefix of every block no request holds; returns how many. Blocks in use keep theirs."""
+        forgotten = 0
+        for block in self.free:
+            if self.block_hash[block] is not None:
+                del self.cached[self.block_hash[block]]
+                self.block_hash[block] = self.block_tokens[block] = None
+                forgotten += 1
+        return forgotten
+
     def fork(self, parent: Request, child: Request, num_tokens: int) -> list[tuple[int, int]] | None:
         """Give `child` the parent's first `num_tokens` tokens of KV: the full blocks shared (one more reference
         each), the last partial block as a fresh block (copy on write: both will append to it). Returns the

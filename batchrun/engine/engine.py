@@ -228,6 +228,11 @@ class Engine:
             self._finish(request, "abort")
         return [self._output(r) for r in samples]
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the cached prompt blocks that no request holds, in every lane (the next prompts are computed
+        anew, as on a fresh engine: a benchmark's repeated runs); returns how many blocks were forgotten."""
+        return sum(lane.block_manager.reset_prefix_cache() for lane in self.scheduler.lanes)
+
     def observe(self, callback: Callable[[StepStats], None], synchronize: bool = False) -> Callable[[], None]:
         """Call `callback(stats)` after every step (the same StepStats object, updated in place: copy what you keep).
         synchronize: wait for the device at each phase boundary so that the phase times are the device's (slower

@@ -140,6 +140,14 @@ class LLM:
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished() or bool(self._inbox) or bool(self._aborts)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the cached prompt blocks no request holds (vLLM's LLM.reset_prefix_cache); returns how many. Call
+        it between generate() calls, not while the background loop steps the engine."""
+        if self._loop_thread is not None and self._loop_thread.is_alive():
+            raise RuntimeError("reset_prefix_cache: the background loop is stepping the engine; stop_background() "
+                               "first")
+        return self.engine.reset_prefix_cache()
+
     def start_background(self) -> None:
         """Step the engine in a daemon thread whenever there is work (for serving without a job); on the CPU, small
         steps run on one thread there (step_threads.py), and the calling thread's OpenMP workers are released
