@@ -17,6 +17,8 @@ import json
 import sys
 import time
 
+from fastest_call import keep_fastest
+
 
 def main():
     request = json.load(open(sys.argv[1]))
@@ -49,11 +51,8 @@ def main():
                                 lora_request=[adapters.get(name) for name in named] if named else None)
             wall, cpu = time.perf_counter() - start, time.process_time() - cpu
             ids = [list(o.outputs[0].token_ids) for o in outs]
-            fastest = result["workloads"].get(name)
-            each = (fastest["wall_s_each"] if fastest else []) + [wall]
-            if fastest is None or wall < fastest["wall_s"]:
-                fastest = dict(wall_s=wall, cpu_s=cpu, output_tokens=sum(map(len, ids)), token_ids=ids)
-            result["workloads"][name] = {**fastest, "wall_s_each": each}
+            result["workloads"][name] = keep_fastest(result["workloads"].get(name), dict(
+                wall_s=wall, cpu_s=cpu, output_tokens=sum(map(len, ids)), token_ids=ids))
             print(f"vLLM {request['dtype']} {name}: {wall:.1f}s", file=sys.stderr, flush=True)
     json.dump(result, open(sys.argv[2], "w"))
 

@@ -33,6 +33,7 @@ import pyarrow.parquet as pq
 import torch
 
 import bench_models
+from fastest_call import keep_fastest
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV = Path(os.environ.get("BATCHRUN_VLLM_VENV", Path.home() / ".cache" / "batchrun" / "vllm-venv"))
@@ -72,12 +73,8 @@ def run_batchrun(model_path: str, dtype: str, work: dict, max_num_seqs: int, rep
                 outs = llm.generate(w["prompts"], params, use_tqdm=False)
                 wall, cpu = time.perf_counter() - start, time.process_time() - cpu
             ids = [list(o.token_ids) for o in outs]
-            fastest = result["workloads"].get(name)
-            each = (fastest["wall_s_each"] if fastest else []) + [wall]
-            if fastest is None or wall < fastest["wall_s"]:
-                fastest = dict(wall_s=wall, cpu_s=cpu, output_tokens=sum(map(len, ids)), token_ids=ids,
-                               split=split.shares(wall))
-            result["workloads"][name] = {**fastest, "wall_s_each": each}
+            result["workloads"][name] = keep_fastest(result["workloads"].get(name), dict(
+                wall_s=wall, cpu_s=cpu, output_tokens=sum(map(len, ids)), token_ids=ids, split=split.shares(wall)))
             print(f"batchrun {dtype} {name}: {wall:.1f}s", file=sys.stderr, flush=True)
     del llm
     return result
