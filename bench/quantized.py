@@ -170,7 +170,8 @@ def main() -> None:
                            f"{report.mean_first_diff or 0:.1f}, mean |d logprob| {report.mean_abs_logprob_diff:.4f})")
             ratio = f"{r['tok_s'] / base['tok_s']:.2f}x" if base else "-"
             mem = f"{r['weights_mib'] / base['weights_mib']:.2f}x" if base else "-"
-            print(f"{name:13s} {fmt:11s} {r['tok_s']:7.1f} tok/s ({ratio} bf16; {r['tok_per_cpu_s']:.1f} tok/cpu-s; calls {r['tok_s_each']}) "
+            print(f"{name:13s} {fmt:11s} {r['tok_s']:7.1f} tok/s ({ratio} bf16; {r['tok_per_cpu_s']:.1f} tok/cpu-s; "
+                  f"calls {r['tok_s_each']}) "
                   f"weights {r['weights_mib']:7.1f} MiB ({mem} bf16), peak RSS {r['peak_rss_mib']:.0f} MiB, "
                   f"load peak (less the KV pool) {r['load_peak_over_weights']:.2f}x the weights (building the "
                   f"model {r['build_peak_over_weights']:.2f}x; before it {r['before_build_mib']} MiB, after it "

@@ -213,6 +213,7 @@ at::Tensor scale_rows_(at::Tensor out, const at::Tensor& scale) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rotate_quantize", &rotate_quantize, "rows rotated by block Hadamard matrices and quantized to int8 codes (or uint8 codes + 128)");
+  m.def("rotate_quantize", &rotate_quantize,
+        "rows rotated by block Hadamard matrices and quantized to int8 codes (or uint8 codes + 128)");
   m.def("scale_rows_", &scale_rows_, "each row times its float32 scale, in place");
 }

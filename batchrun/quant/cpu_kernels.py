@@ -102,13 +102,12 @@ class Int8OneDNN(W8A8):
     fast int8 products multiply unsigned by signed bytes (VNNI's vpdpbusd), and given signed activations it fell
     back to its reference matmul (`ref_int8` in ONEDNN_VERBOSE) on an AMD EPYC with AVX512-VNNI: 640 ms for SmolLM2's
     576 -> 1,536 product at 32 rows, against 0.18 ms unsigned (packed bf16: 0.33). Exact either way."""
+    unsigned_codes = True
 
     def __init__(self, w: QuantizedWeight):
         self.packed = torch.ops.onednn.qlinear_prepack(w.data.contiguous(), [BATCH_HINT, w.in_features])
         self.scale, self.input_scale = w.scale.float(), w.input_scale
         self.zero_points = torch.zeros(w.out_features, dtype=torch.long)
-
-    unsigned_codes = True
 
     def product(self, qx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self.codes_product(qx.view(torch.uint8).bitwise_xor(0x80), dtype)
