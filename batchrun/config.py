@@ -47,6 +47,9 @@ class EngineConfig:
     kv_cache_dtype: KVCacheDtype = "auto"   # storage dtype of the paged KV cache
     quantization: Quantization = "none"     # weights: none, int8 (W8A8), int8-w8a16, fp8, int4 (W4A16), auto
     quantization_rotation: QuantizationRotation = "auto"   # weights quantized at load: auto, hadamard, none
+    # Weights quantized at load: the LM head too (an embedding tied to it is then held as int8 rows). Off by
+    # default, as vLLM and llm-compressor leave the head; batchrun kvcheck measures what it costs a job.
+    quantization_lm_head: bool = False
     kv_cache_memory: str | int | None = None  # KV pool budget; default 2GiB on CPU, profiled on CUDA
     gpu_memory_utilization: float = 0.9
     block_size: int = 16
@@ -88,6 +91,8 @@ class EngineConfig:
         if self.quantization_rotation not in get_args(QuantizationRotation):
             raise ValueError(f"quantization_rotation: unknown value {self.quantization_rotation!r}; "
                              f"allowed: {', '.join(get_args(QuantizationRotation))}")
+        if not isinstance(self.quantization_lm_head, bool):
+            raise ValueError(f"quantization_lm_head: must be true or false, got {self.quantization_lm_head!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend: unknown value {self.attention_backend!r}; "
                              f"allowed: {', '.join(ATTENTION_BACKENDS)}")

@@ -16,11 +16,12 @@ LLM(...): sizes that do not grow with the weights). The headline subtracts the w
 
 Formats: float32 / bfloat16 (float weights in that compute dtype),
 and engine.quantization values (int8 = W8A8, int8-w8a16, fp8, int4) on bfloat16 compute; `W:none` /
-`W:hadamard` sets engine.quantization_rotation (default auto); `W+kv-int8` / `W+kv-fp8` adds an 8-bit KV
-cache. The quality columns are batchrun kvcheck's against the bfloat16 run (identical
-greedy outputs at full length, first difference, mean |d logprob| of the chosen tokens before it). llama-0.3b:
-hidden 1024, intermediate 4096, 16 layers, 16 heads, vocab 32000, tied embeddings, random weights saved once as
-bfloat16 safetensors. Per-op path (BATCHRUN_COMPILE=ops) unless --compile.
+`W:hadamard` sets engine.quantization_rotation (default auto); `W+head` sets engine.quantization_lm_head (the
+LM head quantized too, a tied embedding held as int8 rows); `W+kv-int8` / `W+kv-fp8` adds an 8-bit KV cache.
+The quality columns are batchrun kvcheck's against the bfloat16 run (identical greedy outputs at full length,
+first difference, mean |d logprob| of the chosen tokens before it). llama-0.3b: hidden 1024, intermediate 4096,
+16 layers, 16 heads, vocab 32000, tied embeddings, random weights saved once as bfloat16 safetensors. Per-op
+path (BATCHRUN_COMPILE=ops) unless --compile.
 """
 from __future__ import annotations
 
@@ -63,11 +64,13 @@ def child(model: str, fmt: str, requests: int, max_tokens: int, repeats: int) ->
         return model
     engine_module.build_model = measured_build
     weights, _, kv = fmt.partition("+kv-")
+    weights, head, _ = weights.partition("+head")
     weights, _, rotation = weights.partition(":")
     dtype = "float32" if weights == "float32" else "bfloat16"
     quantization = "none" if weights in ("float32", "bfloat16") else weights
     llm = LLM(model=model, dtype=dtype, quantization=quantization, quantization_rotation=rotation or "auto",
-              kv_cache_dtype=kv or "auto", kv_cache_memory="192MiB", max_num_seqs=requests, max_model_len=1024)
+              quantization_lm_head=bool(head), kv_cache_dtype=kv or "auto", kv_cache_memory="192MiB",
+              max_num_seqs=requests, max_model_len=1024)
     load_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if llm.tokenizer is not None:   # SmolLM2: the sample articles' first 16 tokens
         import pyarrow.parquet as pq
@@ -99,10 +102,12 @@ def child(model: str, fmt: str, requests: int, max_tokens: int, repeats: int) ->
 
 def weight_bytes(model) -> int:
     """The model's weights as held: float parameters (a packed Linear's at its dense size: the packed copy is the
-    only one) and the quantized layers' tensors."""
-    from batchrun.models.layers import Linear
+    only one), the quantized layers' tensors and an embedding's int8 rows."""
+    from batchrun.models.layers import Embedding, Linear
     total = 0
     for module in model.modules():
+        if isinstance(module, Embedding) and module.codes is not None:
+            total += module.codes.nbytes + module.row_scale.nbytes
         for name, p in module.named_parameters(recurse=False):
             if isinstance(module, Linear) and name == "weight":
                 if module.quantized is not None:

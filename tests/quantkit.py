@@ -161,12 +161,14 @@ def write_quantized(path: Path, fmt: str, seed: int = 0, **opts):
     return reference, dequantized, input_scales
 
 
-def quantize_activations(model, kind: str, input_scales: dict | None = None, rotated: bool = False):
-    """Make a transformers model's decoder projections see their input quantized per token (or by the layer's
-    static scale) and widened again, as a W8A8 kernel does; float32 math otherwise. rotated: quantized as x H
-    and rotated back (H its own inverse), as a layer quantized under the Hadamard rotation sees it."""
+def quantize_activations(model, kind: str, input_scales: dict | None = None, rotated: bool = False,
+                         lm_head: bool = False):
+    """Make a transformers model's decoder projections (and its LM head where `lm_head`) see their input quantized
+    per token (or by the layer's static scale) and widened again, as a W8A8 kernel does; float32 math otherwise.
+    rotated: quantized as x H and rotated back (H its own inverse), as a layer quantized under the Hadamard rotation
+    sees it."""
     for name, module in model.named_modules():
-        if name.startswith("model.layers.") and isinstance(module, torch.nn.Linear):
+        if (name.startswith("model.layers.") or lm_head and name == "lm_head") and isinstance(module, torch.nn.Linear):
             static = (input_scales or {}).get(name)
             h = block_hadamard(module.in_features) if rotated else None
             module.register_forward_pre_hook(lambda mod, args, static=static, h=h: (

@@ -42,7 +42,7 @@ class Engine:
         self.model_path = loader.resolve_model_path(config.model)
         self.hf_config = loader.load_config(self.model_path, config.trust_remote_code)
         self.quant_scheme = quant_formats.scheme_for(self.hf_config, config.quantization, self.device.type,
-                                                     config.quantization_rotation)
+                                                     config.quantization_rotation, config.quantization_lm_head)
         self.tokenizer = loader.load_tokenizer(config.tokenizer or self.model_path, config.trust_remote_code)
         self.dtype = self._compute_dtype()
         self.kv_dtype = kv_cache.storage_dtype(config.kv_cache_dtype, self.dtype)   # the batch lane's

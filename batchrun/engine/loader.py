@@ -116,36 +116,30 @@ Part = tuple[int, int, int]   # (dim, start, stop): the slice of a checkpoint te
 
 def load_weights(path: str, device: torch.device, dtype: torch.dtype,
                  plan: Callable[[list[str]], dict[str, tuple[str, ...]]], *,
-                 build: Callable[[str, tuple[str, ...], Callable, Callable], torch.Tensor | None] | None = None,
+                 build: Callable[[str, tuple[str, ...], "Tensors"], torch.Tensor | None] | None = None,
                  part: Callable[[str, str, list[int]], Part | None] | None = None) -> dict[str, torch.Tensor]:
     """The model's tensors, built one at a time from the safetensors files: `plan` maps each of the model's names
     to the checkpoint tensors concatenated into it. Only the tensor being built is held twice, so the peak stays
-    near the weights' own size (not the checkpoint's plus the fused copies). `build(name, sources, read, has)`,
+    near the weights' own size (not the checkpoint's plus the fused copies). `build(name, sources, tensors)`,
     where given, builds the tensors it takes (quantized layers, batchrun/quant/load.py) and returns None for the
     others; `part(name, source, shape)`, where given, the slice of each source to read (tensor parallelism; None:
     all of it)."""
     check_weights(path)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     with contextlib.ExitStack() as stack:
-        readers = [SafetensorsReader(stack.enter_context(open(f, "rb"))) for f in files]
-        where = {name: reader for reader in readers for name in reader.entries}
-
-        def read(source: str, slice_: Part | None = None) -> torch.Tensor:
-            if source not in where:
-                raise ValueError(f"model: the checkpoint in {path!r} has no tensor {source!r}")
-            return where[source].read(source, slice_)
+        tensors = Tensors(path, [SafetensorsReader(stack.enter_context(open(f, "rb"))) for f in files])
 
         def read_part(name: str, source: str) -> torch.Tensor:
             """The source tensor, or the slice of it `part` gives for the model's tensor `name`."""
-            if part is None or source not in where:
-                return read(source)
-            return read(source, part(name, source, where[source].entries[source]["shape"]))
+            if part is None or not tensors.has(source):
+                return tensors.read(source)
+            return tensors.read(source, part(name, source, tensors.shape(source)))
 
         built: dict[tuple[str, ...], torch.Tensor] = {}
         weights = {}
-        for name, sources in plan(list(where)).items():
+        for name, sources in plan(tensors.names()).items():
             if sources not in built:
-                tensor = build(name, sources, read, where.__contains__) if build else None
+                tensor = build(name, sources, tensors) if build else None
                 if tensor is None:
                     parts = [read_part(name, s).to(device=device, dtype=dtype) for s in sources]
                     tensor = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -153,6 +147,32 @@ def load_weights(path: str, device: torch.device, dtype: torch.dtype,
                 built[sources] = tensor
             weights[name] = built[sources]
     return weights
+
+
+class Tensors:
+    """A checkpoint's tensors by name across its safetensors files, read one (or a slice of one) at a time."""
+
+    def __init__(self, path: str, readers: list["SafetensorsReader"]):
+        self.path = path
+        self.where = {name: reader for reader in readers for name in reader.entries}
+
+    def names(self) -> list[str]:
+        return list(self.where)
+
+    def has(self, name: str) -> bool:
+        return name in self.where
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._reader(name).entries[name]["shape"])
+
+    def read(self, name: str, part: Part | None = None) -> torch.Tensor:
+        """The tensor, or its slice `part` (dim, start, stop)."""
+        return self._reader(name).read(name, part)
+
+    def _reader(self, name: str) -> "SafetensorsReader":
+        if name not in self.where:
+            raise ValueError(f"model: the checkpoint in {self.path!r} has no tensor {name!r}")
+        return self.where[name]
 
 
 class SafetensorsReader:

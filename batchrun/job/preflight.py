@@ -48,10 +48,12 @@ def check_model(spec: JobSpec) -> ModelFacts:
         raise spec.fail(("engine", "max_model_len"), str(exc).removeprefix("max_model_len: ")) from exc
     on_cpu = config.device == "cpu" or not torch.cuda.is_available()
     try:   # a quantization the engine would refuse, from config.json alone
-        scheme_for(hf_config, config.quantization, "cpu" if on_cpu else "cuda", config.quantization_rotation)
+        scheme_for(hf_config, config.quantization, "cpu" if on_cpu else "cuda", config.quantization_rotation,
+                   config.quantization_lm_head)
     except ValueError as exc:
         text = str(exc)
-        name = next((n for n in ("quantization_rotation", "quantization") if text.startswith(f"{n}: ")), None)
+        name = next((n for n in ("quantization_rotation", "quantization_lm_head", "quantization")
+                     if text.startswith(f"{n}: ")), None)
         if name is None:
             raise spec.fail(("model",), text.removeprefix("model: ")) from exc
         raise spec.fail(("engine", name), text.removeprefix(f"{name}: ")) from exc

@@ -14,7 +14,7 @@ from torch import nn
 from batchrun.attention_metadata import Segment
 from batchrun.models import graph
 from batchrun.models.attention import Attention, AttentionOptions
-from batchrun.models.layers import GatedMLP, Linear, RMSNorm, longrope_switch, rope_tables
+from batchrun.models.layers import Embedding, GatedMLP, Linear, RMSNorm, longrope_switch, rope_tables
 
 
 class DecoderLayer(nn.Module):
@@ -35,7 +35,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, config, layers: list[nn.Module], norm: RMSNorm):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(layers)
         self.norm = norm
 

@@ -46,6 +46,24 @@ class Linear(nn.Linear):
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding whose table the loader may hold as int8 codes with a float32 scale per row instead (a table
+    tied to a quantized LM head, quant/load.py): the rows looked up are widened to the weight's dtype."""
+
+    codes: torch.Tensor | None = None       # int8 [vocab, hidden]
+    row_scale: torch.Tensor | None = None   # float32 [vocab]
+
+    def hold_int8(self, codes: torch.Tensor, row_scale: torch.Tensor, dtype: torch.dtype) -> None:
+        """Hold the table as codes from now on; the weight becomes an empty tensor of the compute dtype."""
+        self.codes, self.row_scale = codes, row_scale
+        self.weight = nn.Parameter(torch.empty(0, dtype=dtype, device=codes.device), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.codes is None:
+            return super().forward(input_ids)
+        return (self.codes[input_ids].float() * self.row_scale[input_ids, None]).to(self.weight.dtype)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm over the last dimension. `unit_offset`: the stored weight w scales by (1 + w), Gemma's convention,
     computed in float32 before casting back as Gemma does."""

@@ -13,6 +13,7 @@ QuantizedWeight, per format:
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -21,7 +22,6 @@ from batchrun.quant import quantize
 from batchrun.quant.formats import Scheme
 from batchrun.quant.weights import QuantizedWeight, pack_int4
 
-Read = Callable[[str], torch.Tensor]
 AWQ_REVERSE_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]   # natural column m of a packed word sits at nibble AWQ_REVERSE_ORDER[m]
 # The tensors a quantized module may have besides its bias, per format (the plan routes them to the module).
 SUFFIXES = ("weight", "weight_scale", "input_scale", "weight_packed", "weight_shape", "weight_zero_point",
@@ -45,29 +45,50 @@ def _check(prefix: str, name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, .
     return t
 
 
-def read_module(scheme: Scheme, read: Read, has: Callable[[str], bool], prefix: str) -> QuantizedWeight:
+def read_module(scheme: Scheme, tensors, prefix: str) -> QuantizedWeight:
+    """`tensors`: the checkpoint's (engine/loader.Tensors)."""
     reader = {"load": _load_time, "compressed-tensors": _compressed_tensors, "awq": _awq, "gptq": _gptq}
-    return reader[scheme.source](scheme, read, has, prefix)
+    return reader[scheme.source](scheme, tensors, prefix)
 
 
-def _load_time(scheme: Scheme, read: Read, has, prefix: str) -> QuantizedWeight:
-    weight = read(f"{prefix}.weight")
-    if not weight.is_floating_point() or weight.element_size() == 1:
-        raise ValueError(f"model: tensor {prefix}.weight has dtype {weight.dtype}; quantizing at load needs "
-                         f"float weights")
-    rotate_input = scheme.options.get("rotate", False)
-    if scheme.weights == "int8":
-        return quantize.int8_per_channel(weight, scheme.activations, rotate_input)
-    if scheme.weights == "fp8":
-        return quantize.fp8_per_channel(weight, scheme.activations, rotate_input)
-    return quantize.int4_grouped(weight, rotate_input=rotate_input)
+def _load_time(scheme: Scheme, tensors, prefix: str) -> QuantizedWeight:
+    rotate, activations = scheme.options.get("rotate", False), scheme.activations
+    quantizer = {"int8": lambda w: quantize.int8_per_channel(w, activations, rotate),
+                 "fp8": lambda w: quantize.fp8_per_channel(w, activations, rotate),
+                 "int4": lambda w: quantize.int4_grouped(w, rotate_input=rotate)}[scheme.weights]
+    return quantize_by_rows(tensors, f"{prefix}.weight", quantizer)
 
 
-def _compressed_tensors(scheme: Scheme, read: Read, has, prefix: str) -> QuantizedWeight:
-    scale = read(f"{prefix}.weight_scale").float()
+CHUNK_BYTES = 4 * 2**20   # float32 rows quantized at a time: the load's transient beside the weights held
+
+
+def quantize_by_rows(tensors, name: str, quantizer: Callable[[torch.Tensor], QuantizedWeight]) -> QuantizedWeight:
+    """A float checkpoint tensor [N, K] quantized a chunk of rows at a time (every format here quantizes each row
+    on its own), into tensors allocated once: the float tensor is never whole in memory (SmolLM2's tied 49,152 x
+    576 float32 table and its rotated copy would be 8 times its int8 codes, all beside the model loaded so far)."""
+    n, k = tensors.shape(name)
+    rows = max(1, CHUNK_BYTES // (4 * k))
+    out = None
+    for start in range(0, n, rows):
+        chunk = tensors.read(name, (0, start, min(n, start + rows)))
+        if not chunk.is_floating_point() or chunk.element_size() == 1:
+            raise ValueError(f"model: tensor {name} has dtype {chunk.dtype}; quantizing at load needs float weights")
+        part = quantizer(chunk)
+        if out is None:
+            full = {f: None if t is None else t.new_empty((n, *t.shape[1:]))
+                    for f, t in (("data", part.data), ("scale", part.scale), ("zeros", part.zeros))}
+            out = replace(part, **full)
+        for field in ("data", "scale", "zeros"):
+            if getattr(part, field) is not None:
+                getattr(out, field)[start:start + len(part.data)] = getattr(part, field)
+    return out
+
+
+def _compressed_tensors(scheme: Scheme, tensors, prefix: str) -> QuantizedWeight:
+    scale = tensors.read(f"{prefix}.weight_scale").float()
     if scheme.weights == "int4":
-        shape = read(f"{prefix}.weight_shape").tolist()
-        q = unpack_int32(_check(prefix, "weight_packed", read(f"{prefix}.weight_packed"), (torch.int32,)), 4, 1)
+        shape = tensors.read(f"{prefix}.weight_shape").tolist()
+        q = unpack_int32(_check(prefix, "weight_packed", tensors.read(f"{prefix}.weight_packed"), (torch.int32,)), 4, 1)
         q = q[:, :shape[1]]
         group = scheme.options["group_size"] or shape[1]
         scale = scale.reshape(shape[0], -1)
@@ -76,44 +97,44 @@ def _compressed_tensors(scheme: Scheme, read: Read, has, prefix: str) -> Quantiz
                              f"[{shape[0]}, {shape[1] // group}] (group size {group})")
         return QuantizedWeight("int4", pack_int4(q), scale, torch.full_like(scale, 8.0), group)
     if scheme.options["layout"] == "pack-quantized":
-        shape = read(f"{prefix}.weight_shape").tolist()
-        packed = _check(prefix, "weight_packed", read(f"{prefix}.weight_packed"), (torch.int32,))
+        shape = tensors.read(f"{prefix}.weight_shape").tolist()
+        packed = _check(prefix, "weight_packed", tensors.read(f"{prefix}.weight_packed"), (torch.int32,))
         data = (unpack_int32(packed, 8, 1)[:, :shape[1]] - 128).to(torch.int8)
     else:
         expected = torch.float8_e4m3fn if scheme.weights == "fp8" else torch.int8
-        data = _check(prefix, "weight", read(f"{prefix}.weight"), (expected,))
+        data = _check(prefix, "weight", tensors.read(f"{prefix}.weight"), (expected,))
     scale = scale.reshape(-1)
     if scale.numel() not in (1, data.shape[0]):
         raise ValueError(f"model: tensor {prefix}.weight_scale has {scale.numel()} values; expected 1 (tensor) "
                          f"or {data.shape[0]} (channel)")
     input_scale = None
-    if scheme.activations != "none" and has(f"{prefix}.input_scale"):
-        input_scale = read(f"{prefix}.input_scale").float().reshape(-1).max()
+    if scheme.activations != "none" and tensors.has(f"{prefix}.input_scale"):
+        input_scale = tensors.read(f"{prefix}.input_scale").float().reshape(-1).max()
     return QuantizedWeight(scheme.weights, data, scale.expand(data.shape[0]).contiguous(),
                            activations=scheme.activations, input_scale=input_scale)
 
 
-def _awq(scheme: Scheme, read: Read, has, prefix: str) -> QuantizedWeight:
+def _awq(scheme: Scheme, tensors, prefix: str) -> QuantizedWeight:
     def natural(packed: torch.Tensor) -> torch.Tensor:   # [R, C] words -> [R, 8 C] values in column order
         values = unpack_int32(packed, 4, 1).reshape(packed.shape[0], -1, 8)
         return values[:, :, AWQ_REVERSE_ORDER].reshape(packed.shape[0], -1)
-    q = natural(_check(prefix, "qweight", read(f"{prefix}.qweight"), (torch.int32,))).t()   # [N, K]
-    zeros = natural(_check(prefix, "qzeros", read(f"{prefix}.qzeros"), (torch.int32,))).t().float()
-    scales = read(f"{prefix}.scales").float().t().contiguous()
+    q = natural(_check(prefix, "qweight", tensors.read(f"{prefix}.qweight"), (torch.int32,))).t()   # [N, K]
+    zeros = natural(_check(prefix, "qzeros", tensors.read(f"{prefix}.qzeros"), (torch.int32,))).t().float()
+    scales = tensors.read(f"{prefix}.scales").float().t().contiguous()
     return _int4(prefix, q, scales, zeros, scheme.options["group_size"])
 
 
-def _gptq(scheme: Scheme, read: Read, has, prefix: str) -> QuantizedWeight:
-    q = unpack_int32(_check(prefix, "qweight", read(f"{prefix}.qweight"), (torch.int32,)), 4, 0).t()   # [N, K]
-    zeros = unpack_int32(_check(prefix, "qzeros", read(f"{prefix}.qzeros"), (torch.int32,)), 4, 1)
-    scales = read(f"{prefix}.scales").float()
+def _gptq(scheme: Scheme, tensors, prefix: str) -> QuantizedWeight:
+    q = unpack_int32(_check(prefix, "qweight", tensors.read(f"{prefix}.qweight"), (torch.int32,)), 4, 0).t()   # [N, K]
+    zeros = unpack_int32(_check(prefix, "qzeros", tensors.read(f"{prefix}.qzeros"), (torch.int32,)), 4, 1)
+    scales = tensors.read(f"{prefix}.scales").float()
     zeros = (zeros[:, :scales.shape[1]] + scheme.options["zero_offset"]).float().t().contiguous()
     scales = scales.t().contiguous()
     n, k = q.shape
     group = scheme.options["group_size"] if scheme.options["group_size"] != -1 else k
     perm = None
-    if has(f"{prefix}.g_idx"):
-        g_idx = read(f"{prefix}.g_idx").long()
+    if tensors.has(f"{prefix}.g_idx"):
+        g_idx = tensors.read(f"{prefix}.g_idx").long()
         if not torch.equal(g_idx, torch.arange(k) // group):   # act-order: gather each group's channels together
             counts = torch.bincount(g_idx, minlength=k // group)
             if g_idx.numel() != k or counts.numel() != k // group or bool((counts != group).any()):

@@ -53,10 +53,11 @@ def _fail(fmt: str, part: str, supported: str) -> ValueError:
     return ValueError(f"model: quantization format {fmt}: {part} is not supported (supported: {supported})")
 
 
-def scheme_for(hf_config, quantization: str = "none", device_type: str = "cpu", rotation: str = "auto"
-               ) -> Scheme | None:
+def scheme_for(hf_config, quantization: str = "none", device_type: str = "cpu", rotation: str = "auto",
+               lm_head: bool = False) -> Scheme | None:
     """The run's scheme (None: float weights), or a ValueError naming what is not supported. `rotation`
-    (engine.quantization_rotation): whether weights quantized at load get the Hadamard rotation (rotation.py)."""
+    (engine.quantization_rotation): whether weights quantized at load get the Hadamard rotation (rotation.py);
+    `lm_head` (engine.quantization_lm_head): whether they include the LM head."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization: unknown value {quantization!r}; allowed: {', '.join(QUANTIZATIONS)}")
     qc = getattr(hf_config, "quantization_config", None)
@@ -71,6 +72,10 @@ def scheme_for(hf_config, quantization: str = "none", device_type: str = "cpu", 
             raise ValueError(f"quantization_rotation: the checkpoint is already quantized "
                              f"({qc.get('quant_method')!r} in config.json); 'hadamard' applies to weights "
                              f"quantized at load (use auto or none)")
+        if lm_head:
+            raise ValueError(f"quantization_lm_head: the checkpoint is already quantized "
+                             f"({qc.get('quant_method')!r} in config.json); the LM head is quantized by batchrun "
+                             f"only with weights quantized at load (use false)")
         scheme = checkpoint_scheme(qc)
         if hf_config.model_type in MOE_TYPES:
             raise _fail(scheme.label, f"quantized mixture-of-experts weights ({hf_config.model_type})",
@@ -82,9 +87,9 @@ def scheme_for(hf_config, quantization: str = "none", device_type: str = "cpu", 
         return None
     kind, activations, description = LOAD_TIME[quantization]
     rotate = rotation == "hadamard" or (rotation == "auto" and kind in ROTATED_BY_DEFAULT)
-    return Scheme("load", kind, activations,
-                  f"{description} (quantized at load{', inputs Hadamard-rotated' if rotate else ''})",
-                  {"rotate": rotate})
+    details = (", inputs Hadamard-rotated" if rotate else "") + (", LM head included" if lm_head else "")
+    return Scheme("load", kind, activations, f"{description} (quantized at load{details})",
+                  {"rotate": rotate, "lm_head": lm_head})
 
 
 def auto_choice(device_type: str) -> str:

@@ -2,7 +2,9 @@
 (or quantized from its float tensor) straight into its kernel's form, so the float model never exists in memory.
 
 The layers quantized are the decoder layers' Linear modules (attention and MLP projections); embeddings, the LM
-head, norms and MoE routers stay in the compute dtype, as vLLM and llm-compressor leave them.
+head, norms and MoE routers stay in the compute dtype, as vLLM and llm-compressor leave them. With
+engine.quantization_lm_head the LM head is quantized at load too, and an embedding tied to it is held as int8 rows
+(models/layers.Embedding): a 16-bit table kept for the lookup alone would outweigh what the quantized head saves.
 """
 from __future__ import annotations
 
@@ -13,17 +15,22 @@ from torch import nn
 
 from batchrun.models import cpu_gemm
 from batchrun.models.layers import Linear
-from batchrun.quant import checkpoints, weights as qweights
+from batchrun.quant import checkpoints, quantize, weights as qweights
 from batchrun.quant.formats import Scheme
 from batchrun.quant.linear import QuantizedLinear, make_kernel
 MARKERS = {"load": "weight", "compressed-tensors": "weight_scale", "awq": "qweight", "gptq": "qweight"}
 QUANT_ONLY = set(checkpoints.SUFFIXES) - {"weight"}
 
 
-def targets(model: nn.Module) -> dict[str, Linear]:
-    """The Linear modules that get quantized: the decoder layers' projections, not a MoE router (`.gate`)."""
+EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def targets(model: nn.Module, lm_head: bool = False) -> dict[str, Linear]:
+    """The Linear modules that get quantized: the decoder layers' projections, not a MoE router (`.gate`); the LM
+    head where asked."""
     return {name: m for name, m in model.named_modules()
-            if isinstance(m, Linear) and name.startswith("model.layers.") and not name.endswith(".gate")}
+            if isinstance(m, Linear) and (name.startswith("model.layers.") and not name.endswith(".gate")
+                                          or lm_head and name == "lm_head")}
 
 
 def route(plan: dict[str, tuple[str, ...]], names: set[str], layers: dict[str, Linear], scheme: Scheme
@@ -52,16 +59,25 @@ def plan_and_build(model: nn.Module, scheme: Scheme | None, device: torch.device
     one, each quantized layer gets its kernel (its `quantized`) and an empty weight as it is read."""
     if scheme is None:
         return model.checkpoint_plan, None
-    layers = targets(model)
+    layers = targets(model, scheme.options.get("lm_head", False))
+    tied_rows = []   # the embedding's tensor name, where it is tied to a quantized LM head
 
     def plan(names: list[str]) -> dict[str, tuple[str, ...]]:
-        return route(model.checkpoint_plan(names), set(names), layers, scheme)
+        own = model.checkpoint_plan(names)
+        if "lm_head" in layers and own[LM_HEAD] == own[EMBEDDING]:
+            tied_rows.append(EMBEDDING)
+        return route(own, set(names), layers, scheme)
 
-    def build(name: str, sources: tuple[str, ...], read: Callable, has: Callable) -> torch.Tensor | None:
+    def build(name: str, sources: tuple[str, ...], tensors) -> torch.Tensor | None:
+        if name in tied_rows:
+            rows = checkpoints.quantize_by_rows(tensors, sources[0], quantize.int8_per_channel)
+            embedding = model.get_submodule(name.removesuffix(".weight"))
+            embedding.hold_int8(rows.data.to(device), rows.scale.to(device), dtype)
+            return embedding.weight.data
         prefix = name.removesuffix(".weight")
-        if prefix not in layers or not name.endswith(".weight") or has(sources[0]):
+        if prefix not in layers or not name.endswith(".weight") or tensors.has(sources[0]):
             return None   # a float tensor (a routed entry's sources are module prefixes, not tensor names)
-        parts = [checkpoints.read_module(scheme, read, has, p).to(device) for p in sources]
+        parts = [checkpoints.read_module(scheme, tensors, p).to(device) for p in sources]
         layer = layers[prefix]
         layer.weight = nn.Parameter(torch.empty(0, dtype=dtype, device=device), requires_grad=False)
         layer.quantized = QuantizedLinear(layer, make_kernel(_group_by_input_order(parts, prefix)),
