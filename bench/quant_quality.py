@@ -8,8 +8,8 @@ The first --requests sample articles (sample_data/prompts.parquet, chat template
 --max-tokens tokens (EOS ignored) in deterministic mode, once on the reference (bfloat16 compute, float weights,
 16-bit KV) and once per config: `float32` (float32 compute: the spread between two float precisions), a weight
 format of engine.quantization on bfloat16 compute (int8 = W8A8, int8-w8a16, fp8 emulated on the CPU, int4;
-`W:none` or `W:hadamard` sets engine.quantization_rotation, default auto), or
-`kv-int8` / `kv-fp8` (float weights, an 8-bit KV cache). Per config: the share of greedy outputs identical to the
+`W:none` or `W:hadamard` sets engine.quantization_rotation, default auto; `W+head` engine.quantization_lm_head),
+or `kv-int8` / `kv-fp8` (float weights, an 8-bit KV cache). Per config: the share of greedy outputs identical to the
 reference over all --max-tokens, the first difference, and teacher-forced figures no early divergence cuts short:
 the articles' log-likelihood per token on each side, its drop, and the mean |d logprob| position by position.
 """
@@ -33,8 +33,10 @@ def engine_options(config: str) -> dict:
         return {"dtype": "bfloat16" if config == "reference" else "float32"}
     if config.startswith("kv-"):
         return {"dtype": "bfloat16", "kv_cache_dtype": config[3:]}
+    config, head, _ = config.partition("+head")   # int8+head -> engine.quantization_lm_head
     quantization, _, rotation = config.partition(":")   # int8:none -> engine.quantization_rotation none
-    return {"dtype": "bfloat16", "quantization": quantization, "quantization_rotation": rotation or "auto"}
+    return {"dtype": "bfloat16", "quantization": quantization, "quantization_rotation": rotation or "auto",
+            "quantization_lm_head": bool(head)}
 
 
 def run(model: str, config: str, prompts: list[str], max_tokens: int) -> list:
