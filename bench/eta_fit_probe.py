@@ -5,9 +5,9 @@
     python bench/eta_fit_probe.py --replay steps.json [--cpu-time]
 
 Runs the job once, recording every engine step (shape and measured time), every step-time fit the ETA makes and
-every simulation it runs. Then, for each simulation, sets the simulated steps beside the steps that really followed
-(count, tokens, sequences, KV read, prefill pairs) and prices both with that moment's fit, against the measured time
-of the real ones; and, per fit, the priced / measured ratio of the real steps that followed it, by kind of step.
+every simulation it runs (two per estimate: eta.antithetic_strata). Then, for each simulation, sets the simulated
+steps beside the steps that really followed (count, tokens, sequences, KV read, prefill pairs) and prices both with
+that moment's fit, against the measured time of the real ones; and, per fit, the priced / measured ratio of the real steps that followed it, by kind of step.
 A simulation matching the real steps with a fit pricing them high is a step-model problem, not a scheduling one.
 
 --replay refits a recorded run (--steps) with today's fit (stepmodel/recent_fit.py, the run's priors) on its first

@@ -58,3 +58,25 @@ def test_a_row_is_read_from_the_finished_rows_of_its_class_nearest_its_prompt_le
     lengths = OutputLengths([(34, 200, False)] * 6 + [(40, 10, False)] * 6)
     lengths.fit(running=[])
     assert lengths.expected(0, 256, 40) == 105
+
+
+def test_a_drawn_length_is_a_quantile_of_the_rows_distribution():
+    lengths = OutputLengths([(8, n, False) for n in (10, 20, 30, 40)] + [(8, 50, True)])   # one cut at 50
+    lengths.fit([])
+    assert [lengths.draw(0, 100, 8, u) for u in (0.05, 0.3, 0.5, 0.75)] == [10, 20, 30, 40]
+    assert lengths.draw(0, 100, 8, 0.95) == 100    # beyond every stop: the cut row's mass, up to max_tokens
+    assert lengths.draw(0, 35, 8, 0.75) == 35      # max_tokens cuts it
+    assert lengths.draw(25, 100, 8, 0.1) == 30     # given 25 generated: only the lengths above
+    assert lengths.draw(45, 100, 8, 0.1) == 100
+    # stratified quantiles spread as the rows do, and keep their mean
+    draws = [lengths.draw(0, 100, 8, u) for u in eta_strata(1000)]
+    assert sorted(set(draws)) == [10, 20, 30, 40, 100]
+    assert abs(sum(draws) / len(draws) - lengths.expected(0, 100, 8)) <= 0.5
+
+
+def eta_strata(count):
+    from batchrun.job.eta import antithetic_strata
+    values, mirrored = antithetic_strata(count)
+    assert sorted(values) == [(k + 0.5) / count for k in range(count)] and mirrored == [1 - u for u in values]
+    assert (values, mirrored) == antithetic_strata(count)   # fixed by the count: one job's estimates stay steady
+    return values

@@ -38,6 +38,16 @@ class KaplanMeier:
             return float(max_tokens)
         return float((np.minimum(values, max_tokens) * mass).sum() + max_tokens * self.tail) / total
 
+    def quantile(self, generated: int, max_tokens: int, u: float) -> float:
+        """The u-quantile of min(length, max_tokens) given length > generated."""
+        above = self.values > generated
+        values, mass = self.values[above], self.mass[above]
+        total = mass.sum() + self.tail
+        if total <= 1e-12:
+            return float(max_tokens)
+        at = int(np.searchsorted(np.cumsum(mass) / total, u))
+        return float(max_tokens) if at == len(values) else float(min(values[at], max_tokens))
+
 
 class OutputLengths:
     """Output lengths by prompt length (a question and an article to summarise stop at different points, and
@@ -82,9 +92,18 @@ class OutputLengths:
 
     def expected(self, generated: int, max_tokens: int, prompt_tokens: int) -> int:
         """Expected total output tokens of a row that has generated `generated` without stopping."""
-        km = (self._nearest_rows(prompt_tokens) or self._by_class.get(length_class(prompt_tokens))
-              or self._all)
-        return min(max_tokens, max(generated + 1, round(km.expected(generated, max_tokens))))
+        return self._bounded(self._of(prompt_tokens).expected(generated, max_tokens), generated, max_tokens)
+
+    def draw(self, generated: int, max_tokens: int, prompt_tokens: int, u: float) -> int:
+        """The same row's total output tokens at quantile u (0..1) of its distribution."""
+        return self._bounded(self._of(prompt_tokens).quantile(generated, max_tokens, u), generated, max_tokens)
+
+    @staticmethod
+    def _bounded(tokens: float, generated: int, max_tokens: int) -> int:
+        return min(max_tokens, max(generated + 1, round(tokens)))
+
+    def _of(self, prompt_tokens: int) -> KaplanMeier:
+        return self._nearest_rows(prompt_tokens) or self._by_class.get(length_class(prompt_tokens)) or self._all
 
     def _nearest_rows(self, prompt_tokens: int) -> KaplanMeier | None:
         """The lengths of the NEIGHBOURS finished rows of the class nearest prompt_tokens (every row of the
