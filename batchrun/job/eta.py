@@ -9,9 +9,10 @@ rows read but not admitted, and the rows not read yet (prompt lengths drawn from
 the feed will). Output lengths come from the rows finished so far, with the
 running ones and those cut by max_tokens as lower bounds (Kaplan-Meier), since outputs stop early and short ones
 finish first; each simulated request's is drawn at its own quantile of that distribution (antithetic_strata), so
-that the simulated drain is as long as the longest outputs make it. While long prompts keep the KV pool full, the steps cannot tell a context token's cost from the
-step's own; the fit then leans on a prior from the bytes each reads, as it does for a sequence's cost against a
-step's own while every decode step is a full batch (linear_fit.ContextPrior).
+that the simulated drain is as long as the longest outputs make it. While long prompts keep the KV pool full, the
+steps cannot tell a context token's cost from the step's own; the fit then leans on a prior from the bytes each
+reads, as it does for a sequence's cost against a step's own while every decode step is a full batch
+(linear_fit.ContextPrior).
 """
 from __future__ import annotations
 
@@ -231,23 +232,25 @@ class EtaEstimator:
         unread = max(0, self.rows_to_read - self.rows_read)
         pending = len(queued_rows) + unread
         stride = max(1, math.ceil(pending / MAX_SIMULATED))
-        # (prompt: token ids or a length, generated, max_tokens, computed) of every request simulated. Every request
-        # by its own token ids: with prefix caching the simulated pool shares their common prefixes (a chat
-        # template, a repeated prompt; with the running ones too) as the engine's will; lengths alone priced every
-        # prompt token as computed
-        requests = [(tuple(r.token_ids), len(r.output_token_ids), r.params.max_tokens, r.num_computed_tokens)
-                    for r in running]
-        requests += [(tuple(r.token_ids), len(r.output_token_ids), r.params.max_tokens, 0) for r in waiting]
+        # (tokens: ids or a prompt length, prompt tokens, generated, max_tokens, computed) of every request simulated.
+        # Every request by its own token ids: with prefix caching the simulated pool shares their common prefixes (a
+        # chat template, a repeated prompt; with the running ones too) as the engine's will; lengths alone priced
+        # every prompt token as computed
+        requests = [(tuple(r.token_ids), r.num_prompt_tokens, len(r.output_token_ids), r.params.max_tokens,
+                     r.num_computed_tokens) for r in running]
+        requests += [(tuple(r.token_ids), r.num_prompt_tokens, len(r.output_token_ids), r.params.max_tokens, 0)
+                     for r in waiting]
         started = len(requests)
-        requests += [(tuple(row.token_ids), 0, row.params.max_tokens, 0) for row in queued_rows[::stride]]
-        requests += [(p, 0, m, 0) for p, m in self._unread_in_feed_order(unread, stride)]
+        requests += [(tuple(row.token_ids), len(row.token_ids), 0, row.params.max_tokens, 0)
+                     for row in queued_rows[::stride]]
+        requests += [(p, p, 0, m, 0) for p, m in self._unread_in_feed_order(unread, stride)]
         if not requests:
             return Eta(0.0, self.wall_clock(), 0)
         sampled = len(requests) - started
         runs = []   # (seconds, share extrapolated) of each draw
         for quantiles in antithetic_strata(len(requests)):
-            items = [WorkItem(prompt, self.lengths.draw(generated, max_tokens, _length(prompt), u) - generated,
-                              computed) for (prompt, generated, max_tokens, computed), u in zip(requests, quantiles)]
+            items = [WorkItem(tokens, self.lengths.draw(generated, max_tokens, prompt, u) - generated, computed)
+                     for (tokens, prompt, generated, max_tokens, computed), u in zip(requests, quantiles)]
             trace = simulate(items, *self.pool)
             if sum(shape.tokens <= unseen_up_to for shape in trace.shapes) > UNSEEN_SHARE * len(trace.shapes):
                 return None
@@ -258,8 +261,8 @@ class EtaEstimator:
             runs.append((seconds, extrapolated_share(trace.shapes, line.step_times, familiar)))
         seconds = self.overhead * float(np.mean([seconds for seconds, _ in runs]))
         weight = pending / max(sampled, 1)
-        rows = [(generated, max_tokens, _length(prompt), 1.0 if i < started else weight)
-                for i, (prompt, generated, max_tokens, _) in enumerate(requests)]
+        rows = [(generated, max_tokens, prompt, 1.0 if i < started else weight)
+                for i, (_, prompt, generated, max_tokens, _) in enumerate(requests)]
         expected = functools.lru_cache(maxsize=None)(self.lengths.expected)
         tokens = round(sum(w * (expected(g, m, p) - g) for g, m, p, w in rows))
         steps_spread = widen(steps_spread, float(np.mean([share for _, share in runs])))
@@ -280,10 +283,6 @@ class EtaEstimator:
                 keys[start:start + window] = sorted(keys[start:start + window], key=lambda k: k[0],
                                                     reverse=self.longest_first)
         return keys
-
-
-def _length(prompt: tuple[int, ...] | int) -> int:
-    return prompt if isinstance(prompt, int) else len(prompt)
 
 
 def antithetic_strata(count: int) -> tuple[list[float], list[float]]:
