@@ -118,6 +118,18 @@ def test_the_simulated_drain_lasts_as_long_as_the_longest_outputs_left(monkeypat
     assert abs(statistics.median(errors[True])) < 0.03 and statistics.median(errors[False]) < -0.06, errors
 
 
+def test_a_running_requests_length_is_read_by_its_prompt_length(monkeypatch):
+    """Its token ids hold what it generated too: read by their count, a request would take a longer prompt's lengths."""
+    job = SyntheticJob([4, 30] * 10, [6 + i % 9 for i in range(20)], max_tokens=[200] * 20)
+    job.run_until(4)
+    read, draw = [], OutputLengths.draw
+    monkeypatch.setattr(OutputLengths, "draw", lambda self, g, m, p, u: read.append((g, p)) or draw(self, g, m, p, u))
+    assert job.eta.estimate(job.scheduler, []) is not None
+    running = {(len(r.output_token_ids), r.num_prompt_tokens) for r in job.scheduler.running}
+    assert any(g > 0 for g, _ in running) and running <= set(read)
+    assert all(6 <= p <= 14 for _, p in read)
+
+
 def test_the_pilot_prices_short_rows_left_for_the_tail():
     # longest first: 12 long rows that run to their max_tokens, then 40 short questions that stop after 4 of their
     # 200. Without the feed's pilot, nothing tells how early the questions stop until the first one does.
