@@ -18,10 +18,9 @@ from batchrun.models.layers import Linear
 from batchrun.quant import checkpoints, quantize, weights as qweights
 from batchrun.quant.formats import Scheme
 from batchrun.quant.linear import QuantizedLinear, make_kernel
+
 MARKERS = {"load": "weight", "compressed-tensors": "weight_scale", "awq": "qweight", "gptq": "qweight"}
 QUANT_ONLY = set(checkpoints.SUFFIXES) - {"weight"}
-
-
 EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
@@ -60,14 +59,14 @@ def plan_and_build(model: nn.Module, scheme: Scheme | None, device: torch.device
     if scheme is None:
         return model.checkpoint_plan, None
     layers = targets(model, scheme.options.get("lm_head", False))
-    tied_rows = []   # the embedding's tensor name, where it is tied to a quantized LM head
+    int8_rows = set()   # the embedding's tensor name, where it is tied to a quantized LM head
 
     def plan(names: list[str]) -> dict[str, tuple[str, ...]]:
         own = model.checkpoint_plan(names)
         if "lm_head" not in layers:
             return route(own, set(names), layers, scheme)
         if own[LM_HEAD] == own[EMBEDDING]:
-            tied_rows.append(EMBEDDING)
+            int8_rows.add(EMBEDDING)
         # The head first: its kernel's packed copy beside its codes is the load's largest transient, smaller than
         # the model, so it comes before the layers do (building the model peaked at 1.43x -> 1.09x the weights held
         # for SmolLM2 int8, tied; 1.33x -> 1.27x for the 0.3B Llama; bench/quantized.py)
@@ -75,7 +74,7 @@ def plan_and_build(model: nn.Module, scheme: Scheme | None, device: torch.device
         return {LM_HEAD: routed.pop(LM_HEAD), **routed}
 
     def build(name: str, sources: tuple[str, ...], tensors) -> torch.Tensor | None:
-        if name in tied_rows:
+        if name in int8_rows:
             rows = checkpoints.quantize_by_rows(tensors, sources[0], quantize.int8_per_channel)
             embedding = model.get_submodule(name.removesuffix(".weight"))
             embedding.hold_int8(rows.data.to(device), rows.scale.to(device), dtype)
