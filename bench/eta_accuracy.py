@@ -114,6 +114,8 @@ def run_recorded(job: str, order: dict, every: float, overrides: list[str], cpu_
                 progress="log")
     finally:
         progress_module.Progress.tick = real_tick
+    if result.status != "done":   # a SIGTERM stops the job gracefully: its time left was never reached
+        raise SystemExit(f"the job was {result.status}: no errors to report for a run that did not finish")
     wall = clock() - start
     tokens = result.summary["output_tokens_this_run"]
     return {"wall_s": round(wall, 1), "rows": result.summary["rows_this_run"], "records": records,
