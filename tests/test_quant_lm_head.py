@@ -7,10 +7,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from batchrun import LLM
+from batchrun import LLM, Job
+from batchrun.job.errors import JobError
 from batchrun.engine.loader import SafetensorsReader, Tensors
 from batchrun.quant import checkpoints, quantize
 from conftest import reference_greedy, save_tiny_model
+from jobkit import write_job, write_prompts
 from quantkit import block_hadamard, quantize_activations
 from test_quant import GREEDY, PROMPTS, run, write_config
 
@@ -74,6 +76,11 @@ def test_without_load_time_quantization_the_head_option_is_refused_or_idle(tmp_p
         LLM(model=str(path), kv_cache_memory="4MiB", quantization_lm_head=True)
     with pytest.raises(ValueError, match="quantization_lm_head: must be true or false, got 'yes'"):
         LLM(model=str(path), quantization_lm_head="yes")
+    (tmp_path / "in").mkdir()
+    write_prompts(tmp_path / "in" / "in.parquet", 2)
+    job = write_job(tmp_path / "in", str(path), engine={"quantization_lm_head": True})
+    with pytest.raises(JobError, match=r"engine.quantization_lm_head \(line \d+\): the checkpoint is already"):
+        Job.from_yaml(job).validate()
 
 
 @pytest.mark.parametrize("quantizer", [
