@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import save_file
 
 from batchrun import LLM, Job
-from batchrun.job.errors import JobError
 from batchrun.engine.loader import SafetensorsReader, Tensors
+from batchrun.job.errors import JobError
 from batchrun.quant import checkpoints, quantize
 from conftest import reference_greedy, save_tiny_model
 from jobkit import write_job, write_prompts
