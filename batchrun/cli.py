@@ -13,6 +13,7 @@ from batchrun.cli_types import NON_NEGATIVE, PORT, POSITIVE, POSITIVE_INT, SHARE
 from batchrun.config import EngineConfig
 from batchrun.job.errors import EXIT_CODES
 from batchrun.job.sections import JOB_SAMPLING_DEFAULTS
+from batchrun.stepmodel.costmodel import PLANNED_FORMATS
 
 
 @click.group()
@@ -220,9 +221,10 @@ def kvcheck(job, overrides, sample, kv_dtype, quantization) -> None:
 @click.option("--gpu", "gpus", multiple=True, help="GPU type from the catalog (repeatable; default: all), e.g. H100.")
 @click.option("--kv-dtype", "kv_dtypes", multiple=True, help="KV dtype to compare (repeatable; default: float16, "
               "int8, fp8).")
-@click.option("--weights", "weight_formats", multiple=True, type=click.Choice(["fp16", "int8", "fp8", "int4"]),
-              help="Weight format to compare (repeatable; default: the checkpoint's own). int8/fp8 from a 16-bit "
-              "checkpoint are quantized at load; int4 needs an AWQ or GPTQ checkpoint.")
+@click.option("--weights", "weight_formats", multiple=True, type=click.Choice(PLANNED_FORMATS),
+              help="Weight format to compare (repeatable; default: the job's engine.quantization, else the "
+              "checkpoint's own). A 16-bit checkpoint's weights are quantized at load; +head: its LM head too "
+              "(engine.quantization_lm_head).")
 @click.option("--deadline", help="Finish within this time: 6h, 90m, 1h30m, 2d, a clock time 07:00 or a date-time "
               "2030-01-31T06:00 (default: the job file's deadline:).")
 @click.option("--price", "prices", multiple=True, metavar="GPU=USD", help="$/GPU-hour override (repeatable).")

@@ -36,11 +36,13 @@ def test_total_and_active_params(model_type, overrides, moe_layers):
 def test_step_reads_only_routed_experts():
     spec = ModelSpec.from_config(tiny_config("mixtral", num_local_experts=8, num_experts_per_tok=2))
     dense = ModelSpec.from_config(tiny_config("llama"))
-    assert dense.weight_bytes_read(1) == dense.weight_bytes and dense.active_params == dense.num_params
+    embedding = 2 * spec.vocab_size * spec.hidden_size   # untied: looked up, not read whole
+    assert not dense.tied_embeddings and dense.active_params == dense.num_params
+    assert dense.weight_bytes_read(1) == dense.weight_bytes - 2 * dense.vocab_size * dense.hidden_size
     one, many = spec.weight_bytes_read(1), spec.weight_bytes_read(256)
-    assert one < many <= spec.weight_bytes and many == pytest.approx(spec.weight_bytes, rel=1e-6)
+    assert one < many <= spec.weight_bytes and many == pytest.approx(spec.weight_bytes - embedding, rel=1e-6)
     # batch 1: 2 of 8 experts per layer are read
-    assert one == spec.active_params * 2
+    assert one == spec.active_params * 2 - embedding
     gpu = next(iter(load_catalog().values()))
     roofline = RooflineModel(spec, gpu, kv_bytes_per_token=0)
     memory_1, compute_1 = roofline.parts(StepShape(1, 1, 0, 0))

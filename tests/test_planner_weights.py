@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from batchrun.planner import plan as planner
+from batchrun.planner.api import job_weights
 from batchrun.stepmodel import catalog
 from batchrun.stepmodel.costmodel import WEIGHT_FORMATS, ModelSpec, checkpoint_weights
 from jobkit import cli, write_job, write_prompts
 from test_planner import LLAMA3_8B, LLAMA3_70B, work
+
+LLAMA32_1B = dict(LLAMA3_8B, hidden_size=2048, num_hidden_layers=16, intermediate_size=8192,
+                  tie_word_embeddings=True)
 
 FP8_ACTIVATIONS = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}
 COMPRESSED = {"quant_method": "compressed-tensors", "format": "float-quantized",
@@ -45,9 +50,10 @@ def test_a_70b_model_fits_one_h200_only_with_quantized_weights():
     rec = report["recommendation"]
     assert rec["weights"] in ("int8", "int4") and "weights" in rec["reason"]
     assert report["settings"]["checkpoint_weights"] == "fp16"
-    # 8-bit from a 16-bit checkpoint is quantized at load; 4-bit needs a 4-bit checkpoint
+    # a 16-bit checkpoint is quantized at load; a quantized one runs as published
     assert planner.engine_stanza("int8", "int8", "fp16") == {"kv_cache_dtype": "int8", "quantization": "int8"}
-    assert "int4 checkpoint" in planner.engine_stanza("int8", "int4", "fp16")["model"]
+    assert planner.engine_stanza("int8", "int4", "fp16") == {"kv_cache_dtype": "int8", "quantization": "int4"}
+    assert "int8 checkpoint" in planner.engine_stanza("int8", "int8", "int4")["model"]
     assert planner.engine_stanza("fp8", "int4", "int4") == {"kv_cache_dtype": "fp8"}
 
 
@@ -95,3 +101,76 @@ def test_plan_command_compares_weight_formats(tmp_path, tiny_model):
     assert table.returncode == 0 and "int8" in table.stdout and "engine: {kv_cache_dtype:" in table.stdout
     bad = cli("plan", job, "--weights", "int3")
     assert bad.returncode == 2 and "--weights" in bad.stderr
+
+
+def test_a_quantized_lm_head_holds_and_reads_fewer_bytes():
+    """int8+head: the head in int8 too. Untied (8B): the head's 16-bit table becomes int8, held and read. Tied (1B,
+    on a GPU): the int8 lookup rows and the int8 head together hold what the 16-bit table did, but a decode step
+    reads only the head's codes."""
+    p = planner.Planner(ModelSpec.from_config(LLAMA3_8B), work())
+    table = LLAMA3_8B["vocab_size"] * LLAMA3_8B["hidden_size"]
+    int8, head = p.with_weights("int8"), p.with_weights("int8+head")
+    assert (head.weights, head.quantized_lm_head, head.weight_format) == ("int8", True, "int8+head")
+    assert int8.weight_bytes - head.weight_bytes == table                # 2 -> 1 byte a head parameter
+    assert int8.weight_bytes_read(32) - head.weight_bytes_read(32) == table
+    assert int8.weight_bytes_read(32) == int8.weight_bytes - 2 * table   # the 16-bit embedding is looked up
+
+    tied = planner.Planner(ModelSpec.from_config(LLAMA32_1B), work())
+    tied_table = LLAMA32_1B["vocab_size"] * LLAMA32_1B["hidden_size"]
+    t8, t8_head = tied.with_weights("int8"), tied.with_weights("int8+head")
+    assert t8_head.weight_bytes - t8.weight_bytes == 4 * LLAMA32_1B["vocab_size"]   # the rows' float32 scales
+    assert t8.weight_bytes_read(32) == t8.weight_bytes                              # the table is the head
+    assert t8.weight_bytes_read(32) - t8_head.weight_bytes_read(32) == tied_table   # read: int8 head, not 16-bit
+    h100 = catalog.select(catalog.load_catalog(), ["H100"])
+    rows = {r["weights"]: r for r in tied.plan(h100, ("int8",), weights=("int8", "int8+head"))["rows"]}
+    assert rows["int8+head"]["decode_step_ms"] < rows["int8"]["decode_step_ms"]
+    with pytest.raises(ValueError, match=r"--weights: unknown value 'fp16\+head'.*int8\+head"):
+        tied.with_weights("fp16+head")
+
+
+def test_the_recommendation_sets_the_lm_head_option():
+    assert planner.engine_stanza("int8", "int8+head", "fp16") == {
+        "kv_cache_dtype": "int8", "quantization": "int8", "quantization_lm_head": True}
+    assert "16-bit checkpoint" in planner.engine_stanza("int8", "int8+head", "int4")["model"]
+    # the job already quantizes at load: the same format changes nothing; fp16 turns it off
+    assert planner.engine_stanza("fp8", "int8+head", "fp16", job_weights="int8+head") == {"kv_cache_dtype": "fp8"}
+    assert planner.engine_stanza("fp8", "fp16", "fp16", job_weights="int8+head") == {
+        "kv_cache_dtype": "fp8", "quantization": "none", "quantization_lm_head": False}
+    assert planner.engine_stanza("fp8", "int8", "fp16", job_weights="int8+head") == {
+        "kv_cache_dtype": "fp8", "quantization": "int8", "quantization_lm_head": False}
+
+
+@pytest.mark.parametrize("engine,expected", [
+    ({}, None),
+    ({"quantization": "int8"}, "int8"),
+    ({"quantization": "int8-w8a16", "quantization_lm_head": True}, "int8+head"),
+    ({"quantization": "fp8"}, "fp8"),
+    ({"quantization": "int4"}, "int4"),
+    ({"quantization": "auto"}, None),   # picked by the device: planned as the checkpoint's own
+])
+def test_the_job_quantization_is_what_is_planned_by_default(engine, expected):
+    spec = SimpleNamespace(engine=SimpleNamespace(**{"quantization": "none", "quantization_lm_head": False,
+                                                    **engine}))
+    model = ModelSpec.from_config(LLAMA3_8B)
+    assert job_weights(spec, model) == expected
+    assert job_weights(spec, dataclasses.replace(model, weights="int4")) is None   # a quantized checkpoint as is
+    p = planner.Planner(model, work(), job_weights=expected)
+    report = p.plan(catalog.select(catalog.load_catalog(), ["H100"]), ("int8",))
+    assert [r["weights"] for r in report["rows"]] == [expected or "fp16"]
+    assert report["settings"]["job_weights"] == (expected or "fp16")
+
+
+def test_plan_command_plans_the_jobs_quantization(tmp_path, tiny_model):
+    write_prompts(tmp_path / "in.parquet", n=12)
+    job = write_job(tmp_path, tiny_model[0], engine={"quantization": "int8", "quantization_lm_head": True})
+    out = cli("plan", job, "--gpu", "L4", "--kv-dtype", "int8", "--json")
+    assert out.returncode == 0, out.stderr
+    assert [r["weights"] for r in json.loads(out.stdout)["rows"]] == ["int8+head"]
+    both = cli("plan", job, "--gpu", "L4", "--kv-dtype", "int8", "--weights", "int8", "--weights", "int8+head",
+               "--json")
+    rows = json.loads(both.stdout)["rows"]
+    assert [r["weights"] for r in rows] == ["int8", "int8+head"]
+    table = cli("plan", job, "--gpu", "L4", "--kv-dtype", "int8", "--weights", "int8+head", "--set",
+                "engine.quantization=none")
+    assert table.returncode == 0 and "quantization: int8, quantization_lm_head: true}" in table.stdout
+    assert rows[1]["weights_gib"] < rows[0]["weights_gib"]   # untied: the head 16 -> 8 bits

@@ -5,7 +5,7 @@ from batchrun.deadline import seconds_until
 from batchrun.job.spec import JobSpec
 from batchrun.planner import plan as planner, workload
 from batchrun.stepmodel import catalog as cat
-from batchrun.stepmodel.costmodel import ModelSpec
+from batchrun.stepmodel.costmodel import HEAD_SUFFIX, ModelSpec
 
 
 def make_planner(spec: JobSpec, deadline: str | None = None, model_config: str | None = None,
@@ -14,7 +14,20 @@ def make_planner(spec: JobSpec, deadline: str | None = None, model_config: str |
                                        "--model-config" if model_config else "model")
     work = workload.load_workload(spec, model, max_num_seqs)
     return planner.Planner(model, work, utilization, deadline_seconds(spec, deadline),
-                           adapter_bytes=adapter_bytes(spec, model))
+                           adapter_bytes=adapter_bytes(spec, model), job_weights=job_weights(spec, model))
+
+
+# engine.quantization -> the planner's format (W8A16 holds and reads the same bytes as W8A8)
+_LOAD_TIME_FORMATS = {"int8": "int8", "int8-w8a16": "int8", "fp8": "fp8", "int4": "int4"}
+
+
+def job_weights(spec: JobSpec, model: ModelSpec) -> str | None:
+    """The format the job quantizes a 16-bit checkpoint to at load (None: the checkpoint's own; `auto`, which
+    picks by the device, is planned as the checkpoint's own too)."""
+    fmt = _LOAD_TIME_FORMATS.get(spec.engine.quantization)
+    if fmt is None or model.weights != "fp16":
+        return None
+    return fmt + (HEAD_SUFFIX if spec.engine.quantization_lm_head else "")
 
 
 def adapter_bytes(spec: JobSpec, model: ModelSpec) -> int:

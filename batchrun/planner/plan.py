@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import torch
@@ -10,7 +11,7 @@ from batchrun.engine import kv_cache
 from batchrun.planner.mixed import LATENCY_KV_DTYPE, MixedPlanner, Traffic, recommend_mixed
 from batchrun.planner.workload import Workload
 from batchrun.stepmodel.catalog import GPU
-from batchrun.stepmodel.costmodel import WEIGHT_FORMATS, ModelSpec, RooflineModel, kv_share
+from batchrun.stepmodel.costmodel import HEAD_SUFFIX, PLANNED_FORMATS, ModelSpec, RooflineModel, kv_share
 from batchrun.stepmodel.simulate import Trace, make_requests, simulate, timeline
 
 KV_DTYPES = ("float16", "bfloat16", "int8", "fp8")
@@ -29,11 +30,16 @@ def kv_bytes_per_token(model: ModelSpec, dtype: str) -> int:
 
 
 class Planner:
+    """`job_weights`: the format the job runs (its engine.quantization, quantization_lm_head) where it quantizes a
+    16-bit checkpoint at load: planned by default, and the one a recommendation's engine settings change from."""
+
     def __init__(self, model: ModelSpec, work: Workload, utilization: float = 0.9,
-                 deadline_s: float | None = None, cost_options: dict | None = None, adapter_bytes: int = 0):
+                 deadline_s: float | None = None, cost_options: dict | None = None, adapter_bytes: int = 0,
+                 job_weights: str | None = None):
         if not 0 < utilization <= 1:
             raise ValueError(f"--utilization: must be in (0, 1], got {utilization!r}")
         self.model, self.work, self.util, self.deadline = model, work, utilization, deadline_s
+        self.job_weights = self.with_weights(job_weights).weight_format
         self.adapter_bytes = adapter_bytes   # the LoRA adapters the engine may hold at once (engine.max_adapters)
         self.cost_options = cost_options or {}
         self._traces: dict[tuple, Trace] = {}
@@ -62,12 +68,14 @@ class Planner:
         return self.model.activation_bytes(self.work.max_num_batched_tokens, self.work.max_num_seqs)
 
     def with_weights(self, weights: str | None) -> ModelSpec:
-        """The model with its projections in this weight format (None: the checkpoint's own)."""
-        if weights is None or weights == self.model.weights:
+        """The model with its projections (and, with HEAD_SUFFIX, its LM head) in this weight format (None: the
+        checkpoint's own)."""
+        if weights is None or weights == self.model.weight_format:
             return self.model
-        if weights not in WEIGHT_FORMATS:
-            raise ValueError(f"--weights: unknown value {weights!r}; allowed: {', '.join(WEIGHT_FORMATS)}")
-        return dataclasses.replace(self.model, weights=weights)
+        if weights not in PLANNED_FORMATS:
+            raise ValueError(f"--weights: unknown value {weights!r}; allowed: {', '.join(PLANNED_FORMATS)}")
+        return dataclasses.replace(self.model, weights=weights.removesuffix(HEAD_SUFFIX),
+                                   quantized_lm_head=weights.endswith(HEAD_SUFFIX))
 
     def kv_budget(self, gpu: GPU, weights: str | None = None, tp: int = 1) -> int:
         """Bytes left for KV on one GPU: its memory at the utilisation, less its share of the weights (1/tp), the
@@ -109,8 +117,8 @@ class Planner:
         """Replicas of `tp` GPUs each (tensor parallel); per-GPU figures (weights, KV budget, bytes per token)."""
         m, w = self.with_weights(weights), self.work
         bpt = int(self.kv_bytes_per_token(dtype) * kv_share(m.kv_heads, tp))
-        act, budget = self.activation_bytes(), self.kv_budget(gpu, m.weights, tp)
-        row = {"gpu": gpu.name, "weights": m.weights, "kv_dtype": dtype, "tp": tp, "kv_bytes_per_token": bpt,
+        act, budget = self.activation_bytes(), self.kv_budget(gpu, m.weight_format, tp)
+        row = {"gpu": gpu.name, "weights": m.weight_format, "kv_dtype": dtype, "tp": tp, "kv_bytes_per_token": bpt,
                "weights_gib": m.weight_bytes / tp / 2**30, "activations_gib": act / 2**30,
                "adapters_gib": self.adapter_bytes / 2**30, "kv_budget_gib": max(budget, 0) / 2**30,
                "price_per_hour": gpu.price_per_hour}
@@ -127,7 +135,7 @@ class Planner:
         if blocks < need:
             return row | {"fits": False, "reason": f"the longest request ({self.longest} tokens) needs {need} "
                           f"blocks; the KV budget holds {blocks}"}
-        cost = self.cost_model(gpu, bpt, m.weights, tp)
+        cost = self.cost_model(gpu, bpt, m.weight_format, tp)
         one = timeline(self.trace(blocks), cost.step_time)
         row |= {"fits": True, "decode_step_ms": cost.decode_step(min(w.max_num_seqs, row["max_concurrency_mix"]),
                                                                 int(self.mean_len)) * 1e3,
@@ -159,13 +167,13 @@ class Planner:
 
     def plan(self, gpus: list[GPU], kv_dtypes=DEFAULT_KV_DTYPES, traffic: Traffic | None = None,
              weights=()) -> dict:
-        """Rows per GPU type x weight format (default: the checkpoint's) x KV dtype and a recommendation; with
+        """Rows per GPU type x weight format (default: the job's) x KV dtype and a recommendation; with
         interactive traffic also the mixed-SLA layouts (a shared pool with lanes against a latency pool plus a
-        throughput pool, at the checkpoint's weights), which need the deadline."""
+        throughput pool, at the job's weights), which need the deadline."""
         if traffic and not self.deadline:
             raise ValueError("--deadline: mixed-SLA planning (--interactive-rate) needs the batch job's deadline: "
                              "it is the window both layouts are sized and priced over")
-        formats = [self.with_weights(f).weights for f in weights] or [self.model.weights]
+        formats = [self.with_weights(f).weight_format for f in weights] or [self.job_weights]
         rows = [self.row(g, d, f) for g in gpus for f in formats for d in kv_dtypes]
         w = self.work
         report = {"model": {"name": self.model.name, "params": self.model.num_params,
@@ -178,25 +186,29 @@ class Planner:
                   "settings": {"utilization": self.util, "deadline_s": self.deadline, "block_size": w.block_size,
                                "max_num_seqs": w.max_num_seqs, "max_num_batched_tokens": w.max_num_batched_tokens,
                                "prefix_caching": w.prefix_caching, "weights": formats,
-                               "checkpoint_weights": self.model.weights, "data_parallel": True},
-                  "rows": rows, "recommendation": recommend(rows, self.deadline, self.model.weights)}
+                               "checkpoint_weights": self.model.weights, "job_weights": self.job_weights,
+                               "data_parallel": True},
+                  "rows": rows, "recommendation": recommend(rows, self.deadline, self.model.weights,
+                                                            self.job_weights)}
         if traffic:
             mixed = MixedPlanner(self, traffic, MAX_GPUS)
             mixed_rows = [r for g in gpus for r in mixed.rows(g, [row for row in rows if row["gpu"] == g.name
-                                                                     and row["weights"] == self.model.weights])]
+                                                                     and row["weights"] == self.job_weights])]
             report["mixed"] = {"traffic": traffic.__dict__ | {"latency_kv_dtype": LATENCY_KV_DTYPE},
                                "window_s": self.deadline, "rows": mixed_rows,
                                "recommendation": recommend_mixed(mixed_rows)}
         return report
 
 
-def recommend(rows: list[dict], deadline: float | None, checkpoint_weights: str = "fp16") -> dict | None:
+def recommend(rows: list[dict], deadline: float | None, checkpoint_weights: str = "fp16",
+              job_weights: str | None = None) -> dict | None:
     """The cheapest plan that fits (and meets the deadline); ties go to fewer GPUs, then shorter makespan, then the
-    checkpoint's own weights (no quantization to set up)."""
+    job's own weights (no settings to change)."""
+    job_weights = job_weights or checkpoint_weights
     ok = [r for r in rows if r.get("fits") and r.get("meets_deadline")]
     if not ok:
         return None
-    ok.sort(key=lambda r: (r["cost_usd"], r["gpus"], r["makespan_s"], r["weights"] != checkpoint_weights))
+    ok.sort(key=lambda r: (r["cost_usd"], r["gpus"], r["makespan_s"], r["weights"] != job_weights))
     best = ok[0]
     goal = f"meets the {_dur(deadline)} deadline" if deadline else "runs the job"
     reason = (f"cheapest plan that {goal}: {best['gpus']} x {best['gpu']} with {best['weights']} weights and "
@@ -210,19 +222,28 @@ def recommend(rows: list[dict], deadline: float | None, checkpoint_weights: str 
     return {"gpu": best["gpu"], "weights": best["weights"], "kv_dtype": best["kv_dtype"], "gpus": best["gpus"],
             "reason": reason, "tensor_parallel_size": best.get("tp", 1),
             "executor": executor_stanza(best["gpu"], best.get("replicas", best["gpus"]), best.get("tp", 1)),
-            "engine": engine_stanza(best["kv_dtype"], best["weights"], checkpoint_weights, best.get("tp", 1))}
+            "engine": engine_stanza(best["kv_dtype"], best["weights"], checkpoint_weights, best.get("tp", 1),
+                                    job_weights)}
 
 
-def engine_stanza(kv_dtype: str, weights: str, checkpoint_weights: str, tp: int = 1) -> dict:
-    """The job file's engine settings for the plan: 8-bit weights from a 16-bit checkpoint are quantized at load
-    (engine.quantization); 4-bit weights need a 4-bit (AWQ or GPTQ) checkpoint of the model; the ranks per
-    replica where more than one."""
+def engine_stanza(kv_dtype: str, weights: str, checkpoint_weights: str, tp: int = 1,
+                  job_weights: str | None = None) -> dict:
+    """The job file's engine settings for the plan: a 16-bit checkpoint's weights are quantized at load
+    (engine.quantization, and quantization_lm_head for HEAD_SUFFIX; `none` where the job quantizes and the plan
+    does not); a checkpoint quantized otherwise is needed as it is published; the ranks per replica where more
+    than one."""
     stanza = {"kv_cache_dtype": kv_dtype} | ({"tensor_parallel_size": tp} if tp > 1 else {})
-    if weights != checkpoint_weights:
-        if weights in ("int8", "fp8") and checkpoint_weights == "fp16":
-            stanza["quantization"] = weights
-        else:
-            stanza["model"] = f"a {weights} checkpoint of the model (this one is {checkpoint_weights})"
+    fmt, head = weights.removesuffix(HEAD_SUFFIX), weights.endswith(HEAD_SUFFIX)
+    if weights == (job_weights or checkpoint_weights):
+        return stanza
+    if checkpoint_weights == "fp16":
+        stanza["quantization"] = "none" if fmt == "fp16" else fmt
+        if head or (job_weights or "").endswith(HEAD_SUFFIX):
+            stanza["quantization_lm_head"] = head
+    elif head:
+        stanza["model"] = f"a 16-bit checkpoint of the model, quantized at load (this one is {checkpoint_weights})"
+    elif weights != checkpoint_weights:
+        stanza["model"] = f"a {weights} checkpoint of the model (this one is {checkpoint_weights})"
     return stanza
 
 
@@ -247,11 +268,11 @@ def format_table(plan: dict) -> str:
              f"head_dim {m['head_dim']}, context {m['max_context']}",
              f"job: {j['requests']} requests, {j['prompt_tokens']} prompt + {j['output_tokens']} output tokens, "
              f"mean {j['mean_request']} / longest {j['longest_request']} tokens per request",
-             "", f"{'gpu':<11}{'wts':<6}{'kv':<8}{'TP':>3}{'B/tok':>7}{'wts GiB':>8}{'KV GiB':>8}{'blocks':>9}"
+             "", f"{'gpu':<11}{'wts':<10}{'kv':<8}{'TP':>3}{'B/tok':>7}{'wts GiB':>8}{'KV GiB':>8}{'blocks':>9}"
              f"{'conc mix':>9}{'conc ctx':>9}{'decode ms':>10}{'prefill ms':>11}{'1-rep h':>9}{'drain s':>9}{'GPUs':>6}"
              f"{'h':>7}{'GPU-h':>8}{'$ job':>9}{'$/M out':>9}"]
     for r in plan["rows"]:
-        head = (f"{r['gpu']:<11}{r['weights']:<6}{r['kv_dtype']:<8}{r['tp']:>3}{r['kv_bytes_per_token']:>7}"
+        head = (f"{r['gpu']:<11}{r['weights']:<10}{r['kv_dtype']:<8}{r['tp']:>3}{r['kv_bytes_per_token']:>7}"
                 f"{r['weights_gib']:>8.2f}"
                 f"{r['kv_budget_gib']:>8.2f}")
         if not r["fits"]:
@@ -266,8 +287,8 @@ def format_table(plan: dict) -> str:
     lines += ["", f"recommendation: {rec['reason']}" if rec else "recommendation: none of the GPU types fits or "
               "meets the deadline; raise --deadline or add GPU types"]
     if rec:
-        stanza = ", ".join(f"{k}: {v}" for k, v in rec["executor"].items())
-        engine = ", ".join(f"{k}: {v}" for k, v in rec["engine"].items())
+        stanza, engine = (", ".join(f"{k}: {json.dumps(v) if isinstance(v, bool) else v}" for k, v in part.items())
+                          for part in (rec["executor"], rec["engine"]))
         lines.append(f"to run it on Ray, in the job file: executor: {{{stanza}}}  and  engine: {{{engine}}}")
     if "mixed" in plan:
         lines += ["", *format_mixed(plan["mixed"])]

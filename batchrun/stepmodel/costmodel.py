@@ -17,8 +17,12 @@ from batchrun.stepmodel.catalog import GPU
 WEIGHT_BYTES = 2   # fp16/bf16 weights on a GPU
 # Bytes per parameter of the layers' projections, by weight format: 8-bit codes (a per-output-channel scale adds
 # under 0.5 %), 4-bit codes with a 16-bit scale and zero point per group of 128 (AWQ, GPTQ). Embeddings, lm_head and
-# norms stay 16-bit in every format (as quantized checkpoints keep them).
+# norms stay 16-bit in every format (as quantized checkpoints keep them), except with HEAD_SUFFIX.
 WEIGHT_FORMATS = {"fp16": 2.0, "int8": 1.0, "fp8": 1.0, "int4": 0.5 + 4 / 128}
+# "int8+head": the LM head quantized at load too (engine.quantization_lm_head), a tied embedding then held as int8
+# rows with a float32 scale each; formats the engine quantizes a 16-bit checkpoint's head to
+HEAD_SUFFIX = "+head"
+PLANNED_FORMATS = (*WEIGHT_FORMATS, *(f + HEAD_SUFFIX for f in ("int8", "fp8", "int4")))   # what --weights takes
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,7 @@ class ModelSpec:
     expert_intermediate_size: int = 0
     moe_layers: int = 0               # layers whose MLP is the experts (the others are dense)
     weights: str = "fp16"             # the projections' format (WEIGHT_FORMATS)
+    quantized_lm_head: bool = False   # the LM head in `weights` too (HEAD_SUFFIX)
 
     @classmethod
     def from_config(cls, config, name: str = "model") -> "ModelSpec":
@@ -92,10 +97,25 @@ class ModelSpec:
         """Those one token runs through: its top-k experts only (= num_params for a dense model)."""
         return int(self._params(self.experts_per_token))
 
+    @property
+    def weight_format(self) -> str:
+        """The format as the planner names it: `weights`, with HEAD_SUFFIX where the LM head is quantized too."""
+        return self.weights + (HEAD_SUFFIX if self.quantized_lm_head else "")
+
+    def _table_bytes(self) -> tuple[float, float]:
+        """(the embedding table, the LM head apart from it): a tied table is the head unless the head is quantized,
+        and is then looked up from int8 rows (a float32 scale each)."""
+        table = self.vocab_size * self.hidden_size
+        if not self.quantized_lm_head:
+            return table * WEIGHT_BYTES, 0 if self.tied_embeddings else table * WEIGHT_BYTES
+        embed = table + 4 * self.vocab_size if self.tied_embeddings else table * WEIGHT_BYTES
+        return embed, table * WEIGHT_FORMATS[self.weights]
+
     def _bytes(self, experts_per_moe_layer: float) -> float:
-        plain = self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2) + self.hidden_size
-        projections = self._params(experts_per_moe_layer) - plain
-        return projections * WEIGHT_FORMATS[self.weights] + plain * WEIGHT_BYTES
+        tables = self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2)
+        projections = self._params(experts_per_moe_layer) - tables - self.hidden_size
+        return (projections * WEIGHT_FORMATS[self.weights] + sum(self._table_bytes())
+                + self.hidden_size * WEIGHT_BYTES)
 
     @property
     def layer_active_params(self) -> int:
@@ -121,11 +141,14 @@ class ModelSpec:
 
     def weight_bytes_read(self, tokens: int) -> float:
         """Weights a step of `tokens` tokens reads: all but the experts, and per MoE layer the experts its tokens
-        are routed to (expected distinct experts under uniform routing: E x (1 - (1 - k/E)^tokens))."""
+        are routed to (expected distinct experts under uniform routing: E x (1 - (1 - k/E)^tokens)); not an
+        embedding table that is not the LM head (a step reads only its tokens' rows)."""
+        embed, head = self._table_bytes()
+        looked_up = embed if head else 0
         if not self.moe_layers:
-            return self.weight_bytes
+            return self.weight_bytes - looked_up
         experts = self.num_experts * (1 - (1 - self.experts_per_token / self.num_experts) ** max(tokens, 1))
-        return self._bytes(experts)
+        return self._bytes(experts) - looked_up
 
     def activation_bytes(self, max_num_batched_tokens: int, max_num_seqs: int) -> int:
         """Estimated peak of the largest step besides weights: hidden states and MLP of every token (fp16),
