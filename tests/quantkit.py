@@ -129,22 +129,24 @@ def ct_config(fmt: str, opts: dict) -> dict:
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}}}
 
 
-def write_quantized(path: Path, fmt: str, seed: int = 0, **opts):
-    """Save a tiny Llama quantized in `fmt` to `path`; returns (reference transformers model on the dequantized
-    weights, {hf layer name: dequantized weight}, {hf layer name: static input scale})."""
-    model = save_tiny_model(path, seed=seed)
+def write_quantized(path: Path, fmt: str, seed: int = 0, head: bool = False, tie: bool = False, **opts):
+    """Save a tiny Llama quantized in `fmt` to `path` (`head`: its LM head too, as compressed-tensors without
+    lm_head in `ignore` or GPTQ's `lm_head: true` declare it; `tie`: the config ties the embeddings, with `head`
+    only); returns (reference transformers model on the dequantized weights, {hf layer name: dequantized weight},
+    {hf layer name: static input scale})."""
+    model = save_tiny_model(path, seed=seed, tie_word_embeddings=tie)
     gen = torch.Generator().manual_seed(seed)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     deq_state, dequantized, input_scales = dict(state), {}, {}
-    for layer in range(model.config.num_hidden_layers):
-        for proj in PROJECTIONS:
-            prefix = f"model.layers.{layer}.{proj}"
-            tensors, deq = quantize_layer(fmt, state.pop(f"{prefix}.weight"), opts, gen)
-            state.update({f"{prefix}.{suffix}": t for suffix, t in tensors.items()})
-            deq_state[f"{prefix}.weight"] = deq
-            dequantized[prefix] = deq
-            if "input_scale" in tensors:
-                input_scales[prefix] = tensors["input_scale"]
+    prefixes = [f"model.layers.{layer}.{proj}" for layer in range(model.config.num_hidden_layers)
+                for proj in PROJECTIONS] + (["lm_head"] if head else [])
+    for prefix in prefixes:
+        tensors, deq = quantize_layer(fmt, state.pop(f"{prefix}.weight"), opts, gen)
+        state.update({f"{prefix}.{suffix}": t for suffix, t in tensors.items()})
+        deq_state[f"{prefix}.weight"] = deq
+        dequantized[prefix] = deq
+        if "input_scale" in tensors:
+            input_scales[prefix] = tensors["input_scale"]
     for f in path.glob("*.safetensors"):
         f.unlink()
     save_file(state, str(path / "model.safetensors"))
@@ -154,9 +156,13 @@ def write_quantized(path: Path, fmt: str, seed: int = 0, **opts):
         {"quant_method": "awq", "bits": 4, "group_size": opts["group"], "zero_point": True, "version": "gemm"}
         if fmt == "awq" else
         {"quant_method": "gptq", "bits": 4, "group_size": opts["group"], "desc_act": bool(opts.get("act_order")),
-         "sym": opts["sym"], "checkpoint_format": "gptq"})
+         "sym": opts["sym"], "checkpoint_format": "gptq", "lm_head": head})
+    if head and fmt.startswith("ct-"):
+        config["quantization_config"]["ignore"] = []
     (path / "config.json").write_text(json.dumps(config))
     reference = copy.deepcopy(model)
+    if tie:   # the quantized head has weights of its own; the embedding keeps the float table
+        reference.lm_head.weight = torch.nn.Parameter(reference.lm_head.weight.detach().clone())
     reference.load_state_dict(deq_state)
     return reference, dequantized, input_scales
 

@@ -74,11 +74,13 @@ def test_decode_on_a_bandwidth_bound_gpu_is_priced_by_the_weight_bytes():
         "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}}}, "int4"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}, "int4"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}, "int4"),
+    ({**COMPRESSED, "ignore": []}, "fp8+head"),   # the LM head among the Linear targets
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "lm_head": True}, "int4+head"),
 ])
 def test_the_checkpoints_own_format(config, expected):
     assert checkpoint_weights(config) == expected
     model = ModelSpec.from_config(dict(LLAMA3_8B, quantization_config=config) if config else LLAMA3_8B)
-    assert model.weights == expected
+    assert model.weight_format == expected and model.quantized_lm_head == expected.endswith("+head")
 
 
 def test_a_format_the_planner_cannot_size_is_named():

@@ -1,6 +1,6 @@
 """engine.quantization_lm_head: the LM head quantized at load with the layers, an embedding tied to it held as
-int8 rows; and the load-time quantizer's row chunks (checkpoints.quantize_by_rows), which keep a large table
-from being read whole."""
+int8 rows; a checkpoint's own quantized LM head; and the load-time quantizer's row chunks
+(checkpoints.quantize_by_rows), which keep a large table from being read whole."""
 import copy
 
 import pytest
@@ -13,8 +13,8 @@ from batchrun.job.errors import JobError
 from batchrun.quant import checkpoints, quantize
 from conftest import reference_greedy, save_tiny_model
 from jobkit import write_job, write_prompts
-from quantkit import block_hadamard, quantize_activations
-from test_quant import GREEDY, PROMPTS, run, write_config
+from quantkit import block_hadamard, quantize_activations, quantized_input, write_quantized
+from test_quant import CHECKPOINTS, GREEDY, PROMPTS, run, write_config
 
 
 def dequantized_reference(model, quantization: str, rotated: bool, tied: bool):
@@ -55,6 +55,24 @@ def test_a_quantized_lm_head_runs_greedy_as_transformers_on_the_dequantized_weig
         assert embedding.codes.shape == (model.config.vocab_size, model.config.hidden_size)
     else:
         assert embedding.codes is None and embedding.weight.shape == model.model.embed_tokens.weight.shape
+
+
+@pytest.mark.parametrize("case,tied", [
+    ("ct-int8-w8a8-channel", False), ("ct-fp8-w8a16-channel", True), ("ct-int4-w4a16-group", False),
+    ("awq-gemm", False), ("gptq-asym-act-order", True)])
+def test_a_checkpoints_quantized_lm_head_is_read_as_published(tmp_path, case, tied):
+    fmt, opts, activations = CHECKPOINTS[case]
+    reference, dequantized, input_scales = write_quantized(tmp_path, fmt, head=True, tie=tied, **opts)
+    llm, tokens = run(tmp_path)
+    head, embedding = llm.engine.model.lm_head, llm.engine.model.model.embed_tokens
+    assert head.quantized is not None and head.weight.numel() == 0
+    x = torch.randn(3, head.in_features)
+    expected = (x if activations is None else quantized_input(x, activations)) @ dequantized["lm_head"].t()
+    torch.testing.assert_close(head(x), expected, atol=1e-4, rtol=1e-4)
+    assert embedding.codes is None and embedding.weight.shape == reference.model.embed_tokens.weight.shape
+    if activations:
+        quantize_activations(reference, activations, input_scales, lm_head=True)
+    assert tokens == [reference_greedy(reference, p, GREEDY.max_tokens) for p in PROMPTS]
 
 
 def test_the_head_is_left_alone_by_default_and_runs_in_the_whole_graph(tmp_path, monkeypatch):

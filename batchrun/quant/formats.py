@@ -114,6 +114,16 @@ def checkpoint_scheme(qc: dict) -> Scheme:
                                     "GPTQ 4-bit")
 
 
+def declares_lm_head(qc: dict) -> bool:
+    """Whether a checkpoint's quantization_config quantizes the LM head too (the loader reads it from the tensors
+    themselves): compressed-tensors targeting Linear without lm_head in `ignore`, GPTQ's `lm_head: true`."""
+    method = str(qc.get("quant_method", "")).lower()
+    if method == "compressed-tensors":
+        targets = {t for group in (qc.get("config_groups") or {}).values() for t in group.get("targets") or []}
+        return ("Linear" in targets or "lm_head" in targets) and "lm_head" not in (qc.get("ignore") or [])
+    return method == "gptq" and bool(qc.get("lm_head"))
+
+
 CT_SUPPORTED = ("FP8 W8A8 / W8A16 (tensor or channel weight scales, per-token dynamic or static tensor "
                 "activations), INT8 W8A8 / W8A16 (same), INT4 W4A16 symmetric (group or channel, pack-quantized)")
 

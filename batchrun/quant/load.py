@@ -5,6 +5,9 @@ The layers quantized are the decoder layers' Linear modules (attention and MLP p
 head, norms and MoE routers stay in the compute dtype, as vLLM and llm-compressor leave them. With
 engine.quantization_lm_head the LM head is quantized at load too, and an embedding tied to it is held as int8 rows
 (models/layers.Embedding): a 16-bit table kept for the lookup alone would outweigh what the quantized head saves.
+A quantized checkpoint whose LM head is quantized too (compressed-tensors without lm_head in `ignore`, GPTQ's
+`lm_head: true`) has it read as published, from its own tensors even where the config ties it to the embedding,
+which then stays as the checkpoint has it.
 """
 from __future__ import annotations
 
@@ -59,13 +62,18 @@ def plan_and_build(model: nn.Module, scheme: Scheme | None, device: torch.device
     if scheme is None:
         return model.checkpoint_plan, None
     layers = targets(model, scheme.options.get("lm_head", False))
-    int8_rows = set()   # the embedding's tensor name, where it is tied to a quantized LM head
+    int8_rows = set()   # the embedding's tensor name, where it is tied to a LM head quantized at load
 
     def plan(names: list[str]) -> dict[str, tuple[str, ...]]:
         own = model.checkpoint_plan(names)
+        if checkpoint_quantizes_head(scheme, set(names)):
+            layers.update(targets(model, lm_head=True))
+            own.pop(LM_HEAD)   # not the embedding's tensor, even where tied: the head's own, routed below
+            if LM_HEAD in names:
+                own[LM_HEAD] = (LM_HEAD,)
         if "lm_head" not in layers:
             return route(own, set(names), layers, scheme)
-        if own[LM_HEAD] == own[EMBEDDING]:
+        if scheme.source == "load" and own[LM_HEAD] == own[EMBEDDING]:
             int8_rows.add(EMBEDDING)
         # The head first: its kernel's packed copy beside its codes is the load's largest transient, smaller than
         # the model, so it comes before the layers do (building the model peaked at 1.43x -> 1.09x the weights held
@@ -93,6 +101,11 @@ def plan_and_build(model: nn.Module, scheme: Scheme | None, device: torch.device
             cpu_gemm.return_freed_memory(now=True)
         return layer.weight.data
     return plan, build
+
+
+def checkpoint_quantizes_head(scheme: Scheme, names: set[str]) -> bool:
+    """Whether a quantized checkpoint holds its LM head quantized (its own quantized tensors)."""
+    return scheme.source != "load" and f"lm_head.{MARKERS[scheme.source]}" in names
 
 
 def _group_by_input_order(parts: list[qweights.QuantizedWeight], name: str) -> list[qweights.QuantizedWeight]:

@@ -62,7 +62,9 @@ class ModelSpec:
         except (TypeError, ValueError) as exc:
             raise ValueError(f"model: the config of {name!r} lacks a usable field ({exc}); needs hidden_size, "
                              f"num_attention_heads, num_hidden_layers, intermediate_size, vocab_size") from exc
-        return dataclasses.replace(spec, weights=checkpoint_weights(get("quantization_config"), name))
+        weights = checkpoint_weights(get("quantization_config"), name)
+        return dataclasses.replace(spec, weights=weights.removesuffix(HEAD_SUFFIX),
+                                   quantized_lm_head=weights.endswith(HEAD_SUFFIX))
 
     @property
     def attention_params(self) -> int:
@@ -158,14 +160,15 @@ class ModelSpec:
 
 
 def checkpoint_weights(quantization_config, name: str = "model") -> str:
-    """The weight format (WEIGHT_FORMATS) a checkpoint's quantization_config declares, read as the engine reads it
-    (quant.formats); fp16 without one. A format the engine does not run is named, with how to plan it anyway."""
+    """The weight format (WEIGHT_FORMATS, with HEAD_SUFFIX where it quantizes the LM head too) a checkpoint's
+    quantization_config declares, read as the engine reads it (quant.formats); fp16 without one. A format the
+    engine does not run is named, with how to plan it anyway."""
     if not quantization_config:
         return "fp16"
-    from batchrun.quant.formats import checkpoint_scheme   # imports torch: only for a quantized checkpoint
+    from batchrun.quant.formats import checkpoint_scheme, declares_lm_head   # imports torch: quantized only
     qc = quantization_config if isinstance(quantization_config, dict) else quantization_config.to_dict()
     try:
-        return checkpoint_scheme(qc).weights
+        return checkpoint_scheme(qc).weights + (HEAD_SUFFIX if declares_lm_head(qc) else "")
     except ValueError as exc:
         raise ValueError(f"{exc} ({name!r}); pass --weights {'|'.join(WEIGHT_FORMATS)} to plan it as one of "
                          f"those") from None
