@@ -44,11 +44,9 @@ inline void store_float(const Vec& v, T* p, int64_t n = kLanes) {
 }
 
 // Prefetch into L2 (no wait) `rows` cache rows from `slot`: `bytes` bytes from element `offset` of each row, in
-// both K and V. A request's blocks lie anywhere in the pool, so the hardware prefetcher cannot run ahead across
-// them; issued one step ahead, this cut a cold bfloat16 layer's decode attention by 9 % on an Intel Xeon. Issued
-// per KV head (a third of the lines at a time for SmolLM2) rather than the whole next block at once, a cold layer
-// (32 requests x 400 positions, one thread of an AMD EPYC) took 1.43-1.47 -> 1.13-1.27 ms at bf16, 2.21-2.26 ->
-// 1.90-2.08 ms at float32, where the whole block's burst had gained nothing over no prefetch.
+// both K and V (the AMX decode path's; the vector path prefetches a row at a time, cpu_attention.cpp). A request's
+// blocks lie anywhere in the pool, so the hardware prefetcher cannot run ahead across them; issued one step ahead,
+// this cut a cold bfloat16 layer's decode attention by 9 % on an Intel Xeon.
 template <typename T>
 inline void prefetch_rows(const T* k, const T* v, int64_t slot, int64_t rows, int64_t token_stride, int64_t offset,
                           int64_t bytes) {
@@ -100,12 +98,16 @@ constexpr bool kBf16Dots = true;
 // at k + r * ld; part[r] = 0 for n <= r < kLanes. AVX512-BF16's dot instruction multiplies the 16-bit values
 // pairwise into float32 sums, with no conversion pass.
 template <int DIM>
-inline void bf16_dots(const at::BFloat16* q, const at::BFloat16* k, int64_t ld, int64_t n, Vec* part) {
+inline void bf16_dots(const at::BFloat16* q, const at::BFloat16* k, int64_t ld, int64_t n, Vec* part,
+                      const at::BFloat16* prefetch = nullptr) {
   static_assert(DIM % 32 == 0);
   constexpr int kWords = DIM / 32;
   __m512bh qv[kWords];
   for (int c = 0; c < kWords; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
   for (int64_t r = 0; r < kLanes; ++r) {
+    if (prefetch != nullptr) {
+      for (int c = 0; c < kWords; ++c) __builtin_prefetch(prefetch + r * ld + 32 * c, 0, 2);
+    }
     __m512 sum = _mm512_setzero_ps();
     if (r < n) {
       for (int c = 0; c < kWords; ++c) sum = _mm512_dpbf16_ps(sum, qv[c], (__m512bh)_mm512_loadu_si512(k + r * ld + 32 * c));
@@ -118,9 +120,14 @@ inline void bf16_dots(const at::BFloat16* q, const at::BFloat16* k, int64_t ld, 
 // per element, the operand layout of the dot instruction: pairs[(r / 2) * DIM / 16 + j] for positions r, r + 1.
 // Within a vector the elements come in unpack order; bf16_slot maps them back (bf16_accumulate's output).
 template <int DIM>
-inline void bf16_pair_rows(const at::BFloat16* v, int64_t ld, int64_t n, __m512i* pairs) {
+inline void bf16_pair_rows(const at::BFloat16* v, int64_t ld, int64_t n, __m512i* pairs,
+                           const at::BFloat16* prefetch = nullptr) {
   constexpr int kWords = DIM / 32;
   for (int64_t r = 0; r < kLanes; r += 2) {
+    for (int c = 0; prefetch != nullptr && c < kWords; ++c) {
+      __builtin_prefetch(prefetch + r * ld + 32 * c, 0, 2);
+      __builtin_prefetch(prefetch + (r + 1) * ld + 32 * c, 0, 2);
+    }
     for (int c = 0; c < kWords; ++c) {
       const __m512i a = r < n ? _mm512_loadu_si512(v + r * ld + 32 * c) : _mm512_setzero_si512();
       const __m512i b = r + 1 < n ? _mm512_loadu_si512(v + (r + 1) * ld + 32 * c) : _mm512_setzero_si512();
