@@ -148,7 +148,6 @@ def test_the_recommendation_sets_the_lm_head_option():
     ({"quantization": "int8-w8a16", "quantization_lm_head": True}, "int8+head"),
     ({"quantization": "fp8"}, "fp8"),
     ({"quantization": "int4"}, "int4"),
-    ({"quantization": "auto"}, None),   # picked by the device: planned as the checkpoint's own
 ])
 def test_the_job_quantization_is_what_is_planned_by_default(engine, expected):
     spec = SimpleNamespace(engine=SimpleNamespace(**{"quantization": "none", "quantization_lm_head": False,
@@ -160,6 +159,22 @@ def test_the_job_quantization_is_what_is_planned_by_default(engine, expected):
     report = p.plan(catalog.select(catalog.load_catalog(), ["H100"]), ("int8",))
     assert [r["weights"] for r in report["rows"]] == [expected or "fp16"]
     assert report["settings"]["job_weights"] == (expected or "fp16")
+
+
+def test_auto_quantization_is_planned_per_gpu_as_the_engine_picks_it():
+    """engine.quantization auto: fp8 on a GPU with FP8 tensor cores (H100, L4), int8 elsewhere (A100); the
+    recommendation leaves the setting alone where auto already picks its format."""
+    spec = SimpleNamespace(engine=SimpleNamespace(quantization="auto", quantization_lm_head=True))
+    model = ModelSpec.from_config(LLAMA3_8B)
+    assert job_weights(spec, model) == "auto+head"
+    p = planner.Planner(model, work(), job_weights="auto+head")
+    report = p.plan(catalog.select(catalog.load_catalog(), ["H100", "A100-80GB", "L4"]), ("int8",))
+    assert {r["gpu"]: r["weights"] for r in report["rows"]} == {
+        "H100-80GB": "fp8+head", "A100-80GB": "int8+head", "L4": "fp8+head"}
+    assert report["settings"]["job_weights"] == "auto+head"
+    assert report["settings"]["weights"] == ["fp8+head", "int8+head"]
+    rec = report["recommendation"]
+    assert rec["engine"] == {"kv_cache_dtype": "int8"}   # auto already runs the recommended format there
 
 
 def test_plan_command_plans_the_jobs_quantization(tmp_path, tiny_model):

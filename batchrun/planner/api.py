@@ -17,13 +17,12 @@ def make_planner(spec: JobSpec, deadline: str | None = None, model_config: str |
                            adapter_bytes=adapter_bytes(spec, model), job_weights=job_weights(spec, model))
 
 
-# engine.quantization -> the planner's format (W8A16 holds and reads the same bytes as W8A8)
-_LOAD_TIME_FORMATS = {"int8": "int8", "int8-w8a16": "int8", "fp8": "fp8", "int4": "int4"}
+# engine.quantization -> the planner's format (W8A16 holds and reads the same bytes as W8A8; auto picks per GPU)
+_LOAD_TIME_FORMATS = {"int8": "int8", "int8-w8a16": "int8", "fp8": "fp8", "int4": "int4", "auto": planner.AUTO}
 
 
 def job_weights(spec: JobSpec, model: ModelSpec) -> str | None:
-    """The format the job quantizes a 16-bit checkpoint to at load (None: the checkpoint's own; `auto`, which
-    picks by the device, is planned as the checkpoint's own too)."""
+    """The format the job quantizes a 16-bit checkpoint to at load (None: the checkpoint's own)."""
     fmt = _LOAD_TIME_FORMATS.get(spec.engine.quantization)
     if fmt is None or model.weights != "fp16":
         return None

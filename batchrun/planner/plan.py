@@ -29,9 +29,13 @@ def kv_bytes_per_token(model: ModelSpec, dtype: str) -> int:
                                     kv_cache.storage_dtype(dtype, torch.float16))
 
 
+AUTO = "auto"   # engine.quantization auto: fp8 where the GPU has FP8 tensor cores (compute capability 8.9+), else int8
+
+
 class Planner:
     """`job_weights`: the format the job runs (its engine.quantization, quantization_lm_head) where it quantizes a
-    16-bit checkpoint at load: planned by default, and the one a recommendation's engine settings change from."""
+    16-bit checkpoint at load, or AUTO (with HEAD_SUFFIX where the head is quantized too): planned by default, and
+    the one a recommendation's engine settings change from."""
 
     def __init__(self, model: ModelSpec, work: Workload, utilization: float = 0.9,
                  deadline_s: float | None = None, cost_options: dict | None = None, adapter_bytes: int = 0,
@@ -39,7 +43,8 @@ class Planner:
         if not 0 < utilization <= 1:
             raise ValueError(f"--utilization: must be in (0, 1], got {utilization!r}")
         self.model, self.work, self.util, self.deadline = model, work, utilization, deadline_s
-        self.job_weights = self.with_weights(job_weights).weight_format
+        self.job_weights = (job_weights if job_weights and job_weights.startswith(AUTO)
+                            else self.with_weights(job_weights).weight_format)
         self.adapter_bytes = adapter_bytes   # the LoRA adapters the engine may hold at once (engine.max_adapters)
         self.cost_options = cost_options or {}
         self._traces: dict[tuple, Trace] = {}
@@ -76,6 +81,12 @@ class Planner:
             raise ValueError(f"--weights: unknown value {weights!r}; allowed: {', '.join(PLANNED_FORMATS)}")
         return dataclasses.replace(self.model, weights=weights.removesuffix(HEAD_SUFFIX),
                                    quantized_lm_head=weights.endswith(HEAD_SUFFIX))
+
+    def job_format(self, gpu: GPU) -> str:
+        """The format the job runs on this GPU type (AUTO resolved as the engine resolves it)."""
+        if not self.job_weights.startswith(AUTO):
+            return self.job_weights
+        return ("fp8" if gpu.fp8_tflops else "int8") + self.job_weights.removeprefix(AUTO)
 
     def kv_budget(self, gpu: GPU, weights: str | None = None, tp: int = 1) -> int:
         """Bytes left for KV on one GPU: its memory at the utilisation, less its share of the weights (1/tp), the
@@ -173,8 +184,9 @@ class Planner:
         if traffic and not self.deadline:
             raise ValueError("--deadline: mixed-SLA planning (--interactive-rate) needs the batch job's deadline: "
                              "it is the window both layouts are sized and priced over")
-        formats = [self.with_weights(f).weight_format for f in weights] or [self.job_weights]
-        rows = [self.row(g, d, f) for g in gpus for f in formats for d in kv_dtypes]
+        formats = [self.with_weights(f).weight_format for f in weights]
+        job_formats = {g.name: self.job_format(g) for g in gpus}
+        rows = [self.row(g, d, f) for g in gpus for f in formats or [job_formats[g.name]] for d in kv_dtypes]
         w = self.work
         report = {"model": {"name": self.model.name, "params": self.model.num_params,
                             "active_params": self.model.active_params, "layers": self.model.num_layers,
@@ -185,15 +197,16 @@ class Planner:
                           "longest_request": self.longest, "mean_request": round(self.mean_len, 1)},
                   "settings": {"utilization": self.util, "deadline_s": self.deadline, "block_size": w.block_size,
                                "max_num_seqs": w.max_num_seqs, "max_num_batched_tokens": w.max_num_batched_tokens,
-                               "prefix_caching": w.prefix_caching, "weights": formats,
+                               "prefix_caching": w.prefix_caching,
+                               "weights": formats or sorted(set(job_formats.values())),
                                "checkpoint_weights": self.model.weights, "job_weights": self.job_weights,
                                "data_parallel": True},
                   "rows": rows, "recommendation": recommend(rows, self.deadline, self.model.weights,
-                                                            self.job_weights)}
+                                                            job_formats)}
         if traffic:
             mixed = MixedPlanner(self, traffic, MAX_GPUS)
             mixed_rows = [r for g in gpus for r in mixed.rows(g, [row for row in rows if row["gpu"] == g.name
-                                                                     and row["weights"] == self.job_weights])]
+                                                                     and row["weights"] == job_formats[g.name]])]
             report["mixed"] = {"traffic": traffic.__dict__ | {"latency_kv_dtype": LATENCY_KV_DTYPE},
                                "window_s": self.deadline, "rows": mixed_rows,
                                "recommendation": recommend_mixed(mixed_rows)}
@@ -201,14 +214,15 @@ class Planner:
 
 
 def recommend(rows: list[dict], deadline: float | None, checkpoint_weights: str = "fp16",
-              job_weights: str | None = None) -> dict | None:
+              job_formats: dict[str, str] | None = None) -> dict | None:
     """The cheapest plan that fits (and meets the deadline); ties go to fewer GPUs, then shorter makespan, then the
-    job's own weights (no settings to change)."""
-    job_weights = job_weights or checkpoint_weights
+    job's own weights on that GPU type (job_formats; no settings to change)."""
+    def job_format(row: dict) -> str:
+        return (job_formats or {}).get(row["gpu"], checkpoint_weights)
     ok = [r for r in rows if r.get("fits") and r.get("meets_deadline")]
     if not ok:
         return None
-    ok.sort(key=lambda r: (r["cost_usd"], r["gpus"], r["makespan_s"], r["weights"] != job_weights))
+    ok.sort(key=lambda r: (r["cost_usd"], r["gpus"], r["makespan_s"], r["weights"] != job_format(r)))
     best = ok[0]
     goal = f"meets the {_dur(deadline)} deadline" if deadline else "runs the job"
     reason = (f"cheapest plan that {goal}: {best['gpus']} x {best['gpu']} with {best['weights']} weights and "
@@ -223,7 +237,7 @@ def recommend(rows: list[dict], deadline: float | None, checkpoint_weights: str 
             "reason": reason, "tensor_parallel_size": best.get("tp", 1),
             "executor": executor_stanza(best["gpu"], best.get("replicas", best["gpus"]), best.get("tp", 1)),
             "engine": engine_stanza(best["kv_dtype"], best["weights"], checkpoint_weights, best.get("tp", 1),
-                                    job_weights)}
+                                    job_format(best))}
 
 
 def engine_stanza(kv_dtype: str, weights: str, checkpoint_weights: str, tp: int = 1,
