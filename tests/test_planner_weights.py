@@ -75,12 +75,18 @@ def test_decode_on_a_bandwidth_bound_gpu_is_priced_by_the_weight_bytes():
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}, "int4"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}, "int4"),
     ({**COMPRESSED, "ignore": []}, "fp8+head"),   # the LM head among the Linear targets
+    ({**COMPRESSED, "ignore": ["re:.*lm_head"]}, "fp8"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "lm_head": True}, "int4+head"),
 ])
 def test_the_checkpoints_own_format(config, expected):
     assert checkpoint_weights(config) == expected
     model = ModelSpec.from_config(dict(LLAMA3_8B, quantization_config=config) if config else LLAMA3_8B)
     assert model.weight_format == expected and model.quantized_lm_head == expected.endswith("+head")
+    if model.quantized_lm_head:   # a tied config's head read from its own tensors: a 16-bit embedding beside it
+        tied = ModelSpec.from_config(dict(LLAMA32_1B, quantization_config=config))
+        table = LLAMA32_1B["vocab_size"] * LLAMA32_1B["hidden_size"]
+        assert not tied.tied_embeddings
+        assert tied.weight_bytes_read(32) == tied.weight_bytes - 2 * table
 
 
 def test_a_format_the_planner_cannot_size_is_named():

@@ -120,7 +120,8 @@ def declares_lm_head(qc: dict) -> bool:
     method = str(qc.get("quant_method", "")).lower()
     if method == "compressed-tensors":
         targets = {t for group in (qc.get("config_groups") or {}).values() for t in group.get("targets") or []}
-        return ("Linear" in targets or "lm_head" in targets) and "lm_head" not in (qc.get("ignore") or [])
+        ignored = any("lm_head" in entry for entry in qc.get("ignore") or [])   # a name or a "re:" pattern
+        return ("Linear" in targets or "lm_head" in targets) and not ignored
     return method == "gptq" and bool(qc.get("lm_head"))
 
 

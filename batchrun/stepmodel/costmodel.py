@@ -63,8 +63,9 @@ class ModelSpec:
             raise ValueError(f"model: the config of {name!r} lacks a usable field ({exc}); needs hidden_size, "
                              f"num_attention_heads, num_hidden_layers, intermediate_size, vocab_size") from exc
         weights = checkpoint_weights(get("quantization_config"), name)
-        return dataclasses.replace(spec, weights=weights.removesuffix(HEAD_SUFFIX),
-                                   quantized_lm_head=weights.endswith(HEAD_SUFFIX))
+        head = weights.endswith(HEAD_SUFFIX)   # read from its own tensors: the embedding stays 16-bit, untied
+        return dataclasses.replace(spec, weights=weights.removesuffix(HEAD_SUFFIX), quantized_lm_head=head,
+                                   tied_embeddings=spec.tied_embeddings and not head)
 
     @property
     def attention_params(self) -> int:
