@@ -9,11 +9,12 @@ import threading
 
 import click
 
-from batchrun.cli_types import NON_NEGATIVE, PORT, POSITIVE, POSITIVE_INT, SHARE
+from batchrun.cli_options import SET, fail
+from batchrun.cli_plan import plan
+from batchrun.cli_types import NON_NEGATIVE, PORT, POSITIVE_INT
 from batchrun.config import EngineConfig
 from batchrun.job.errors import EXIT_CODES
 from batchrun.job.sections import JOB_SAMPLING_DEFAULTS
-from batchrun.stepmodel.costmodel import PLANNED_FORMATS
 
 
 @click.group()
@@ -24,13 +25,6 @@ def main(verbose: bool) -> None:
 
 
 _EXIT_HELP = "Exit codes: " + "; ".join(f"{code} {meaning}" for code, meaning in EXIT_CODES.items()) + "."
-_SET = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-                    help="Override a field of the job file, e.g. --set input.limit=20 (repeatable).")
-
-
-def _fail(exc) -> None:
-    click.echo(f"batchrun: {exc}", err=True)
-    sys.exit(exc.exit_code)
 
 
 def _serve_beside(address: str, api_key: str | None, model_name: str):
@@ -55,7 +49,7 @@ _RESTART = click.option("--restart", is_flag=True,
 
 @main.command(help="Run JOB (a YAML job file) to completion, or resume it where it stopped.\n\n" + _EXIT_HELP)
 @click.argument("job", type=click.Path(dir_okay=False))
-@_SET
+@SET
 @_RESTART
 @_PROGRESS
 @click.option("--serve", "serve_address", metavar="HOST:PORT",
@@ -82,7 +76,7 @@ def submit(job, overrides, restart, progress, serve_address, api_key, executor, 
     try:
         job_ = Job.from_yaml(job, overrides)
     except JobError as exc:
-        _fail(exc)
+        fail(exc)
     _run_job(job_, restart, progress,
              _serve_beside(serve_address, api_key, job_.spec.model) if serve_address else None, force=force)
 
@@ -144,7 +138,7 @@ def generate(parquet, model, output, limit, prompt_column, id_column, max_tokens
     try:
         job_ = Job(JobSpec(raw, "batchrun generate", dict(_GENERATE_FLAGS)))
     except JobError as exc:
-        _fail(exc)
+        fail(exc)
     _run_job(job_, restart, progress, preview=5)
 
 
@@ -164,7 +158,7 @@ def _run_job(job_, restart: bool, progress: str, serve=None, preview: int = 0, f
     try:
         result = job_.run(restart=restart, progress=progress, serve=serve, force=force)
     except JobError as exc:
-        _fail(exc)
+        fail(exc)
     except KeyboardInterrupt:
         _absorb_signals()
         click.echo("batchrun: interrupted; finished rows are saved, submit again to resume", err=True)
@@ -181,20 +175,20 @@ def _run_job(job_, restart: bool, progress: str, serve=None, preview: int = 0, f
 
 @main.command(help="Check JOB's spec and input and print what would run, without loading the model.")
 @click.argument("job", type=click.Path(dir_okay=False))
-@_SET
+@SET
 def validate(job, overrides) -> None:
     from batchrun.job import Job, JobError
     try:
         report = Job.from_yaml(job, list(overrides)).validate()
     except JobError as exc:
-        _fail(exc)
+        fail(exc)
     click.echo(json.dumps(report, indent=2))
 
 
 @main.command(help="Compare N of JOB's prompts, greedy, with unquantized KV and weights and with the job's 8-bit "
                    "KV dtype and/or quantized weights.")
 @click.argument("job", type=click.Path(dir_okay=False))
-@_SET
+@SET
 @click.option("--sample", "sample", type=POSITIVE_INT, default=32, show_default=True,
               help="How many of the job's prompts.")
 @click.option("--dtype", "kv_dtype", type=click.Choice(["auto", "int8", "fp8"]),
@@ -207,100 +201,22 @@ def kvcheck(job, overrides, sample, kv_dtype, quantization) -> None:
     try:
         report = run(Job.from_yaml(job, list(overrides)).spec, sample, kv_dtype, quantization)
     except JobError as exc:
-        _fail(exc)
+        fail(exc)
     except ValueError as exc:
-        _fail(JobError(f"{job}: engine: {exc}"))
+        fail(JobError(f"{job}: engine: {exc}"))
     click.echo(report.summary())
     click.echo(json.dumps(report.as_dict(), indent=2))
 
 
-@main.command(help="Plan GPUs for JOB: per GPU type x KV dtype, KV capacity, predicted makespan (the real scheduler "
-                    "over a cost model), GPUs to meet --deadline, GPU-hours and cost; or --calibrate on this machine.")
-@click.argument("job", type=click.Path(dir_okay=False))
-@_SET
-@click.option("--gpu", "gpus", multiple=True, help="GPU type from the catalog (repeatable; default: all), e.g. H100.")
-@click.option("--kv-dtype", "kv_dtypes", multiple=True, help="KV dtype to compare (repeatable; default: float16, "
-              "int8, fp8).")
-@click.option("--weights", "weight_formats", multiple=True, type=click.Choice(PLANNED_FORMATS),
-              help="Weight format to compare (repeatable; default: the job's engine.quantization, else the "
-              "checkpoint's own). A 16-bit checkpoint's weights are quantized at load; +head: its LM head too "
-              "(engine.quantization_lm_head).")
-@click.option("--deadline", help="Finish within this time: 6h, 90m, 1h30m, 2d, a clock time 07:00 or a date-time "
-              "2030-01-31T06:00 (default: the job file's deadline:).")
-@click.option("--price", "prices", multiple=True, metavar="GPU=USD", help="$/GPU-hour override (repeatable).")
-@click.option("--catalog", type=click.Path(dir_okay=False), help="YAML file adding or overriding GPU entries.")
-@click.option("--model-config", help="Size for this model (directory, hub id or config.json) instead of the "
-              "job's model; prompts are still measured with the job's tokenizer.")
-@click.option("--utilization", type=SHARE, default=0.9, show_default=True, help="Share of GPU memory used.")
-@click.option("--max-num-seqs", type=POSITIVE_INT, help="Seats per GPU (default: the job's engine.max_num_seqs).")
-@click.option("--calibrate", is_flag=True, help="Run a pilot of the job here, fit the step-time model and predict "
-              "the whole job on this machine.")
-@click.option("--pilot-fraction", type=SHARE, default=0.2, show_default=True, help="Share of rows in the pilot.")
-@click.option("--interactive-rate", type=POSITIVE, help="Interactive requests/s served next to the job: adds the "
-              "mixed-SLA comparison (one shared pool with lanes vs a latency pool + a throughput pool); needs "
-              "--deadline.")
-@click.option("--interactive-prompt-tokens", type=POSITIVE_INT, default=512, show_default=True)
-@click.option("--interactive-output-tokens", type=POSITIVE_INT, default=128, show_default=True)
-@click.option("--ttft-p95", default="1s", show_default=True, help="Interactive p95 time-to-first-token target.")
-@click.option("--tpot-p95", default="100ms", show_default=True, help="Interactive p95 time-per-output-token target.")
-@click.option("--headroom", type=NON_NEGATIVE, default=0.2, show_default=True, help="The latency pool is sized for the "
-              "interactive rate x (1 + headroom).")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Draw throughput vs concurrency per KV "
-              "dtype (memory limits marked) and the job's predicted progress to this PNG (needs matplotlib: "
-              "pip install 'batchrun[plot]').")
-@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
-def plan(job, overrides, gpus, kv_dtypes, weight_formats, deadline, prices, catalog, model_config, utilization,
-         max_num_seqs, calibrate, pilot_fraction, interactive_rate, interactive_prompt_tokens,
-         interactive_output_tokens, ttft_p95, tpot_p95, headroom, plot_path, as_json) -> None:
-    from batchrun.job import JobError
-    from batchrun.job.spec import JobSpec
-    from batchrun.planner import api as planner_api, mixed
-    from batchrun.stepmodel import catalog as cat
-    from batchrun.planner.plan import format_table
-    try:
-        traffic = None if interactive_rate is None else mixed.Traffic(
-            interactive_rate, interactive_prompt_tokens, interactive_output_tokens,
-            mixed.parse_latency(ttft_p95, "--ttft-p95"), mixed.parse_latency(tpot_p95, "--tpot-p95"), headroom)
-        if plot_path and calibrate:
-            raise ValueError("--plot: draws a plan; it does not apply to --calibrate")
-        if plot_path:
-            from batchrun.planner.plot import require_matplotlib
-            require_matplotlib()
-        spec = JobSpec.from_yaml(job, list(overrides))
-        chosen = cat.select(cat.load_catalog(catalog), list(gpus), cat.parse_prices(prices))
-        the_planner = planner_api.make_planner(spec, None if calibrate else deadline, model_config, utilization,
-                                               max_num_seqs)
-        if traffic and the_planner.deadline is None:
-            raise ValueError("--deadline: mixed-SLA planning (--interactive-rate) needs the batch job's deadline "
-                             "(--deadline, or deadline: in the job file)")
-        if calibrate:
-            from batchrun.planner.calibrate import calibrate as run_calibration
-            report = run_calibration(spec, the_planner.work, pilot_fraction)
-        else:
-            report = planner_api.run_plan(the_planner, chosen, kv_dtypes, traffic, weight_formats)
-            if plot_path:
-                from batchrun.planner.plot import draw
-                draw(the_planner, report, chosen, plot_path)
-    except JobError as exc:
-        _fail(exc)
-    except ValueError as exc:
-        click.echo(f"batchrun: {exc}", err=True)
-        sys.exit(2)
-    if as_json or calibrate:
-        click.echo(json.dumps(report, indent=2))
-    else:
-        click.echo(format_table(report))
-
-
 @main.command(help="Show JOB's progress from its output directory: done, failed, remaining.")
 @click.argument("job", type=click.Path(dir_okay=False))
-@_SET
+@SET
 def status(job, overrides) -> None:
     from batchrun.job import Job, JobError
     try:
         click.echo(json.dumps(Job.from_yaml(job, list(overrides)).status(), indent=2))
     except JobError as exc:
-        _fail(exc)
+        fail(exc)
 
 
 @main.command(help="Print the job file's JSON Schema, for editors with a YAML language server: "
@@ -396,6 +312,8 @@ def serve(model, host, port, api_key, served_model_name, max_prompt_tokens, max_
     finally:
         llm.stop_background()
 
+
+main.add_command(plan)
 
 if __name__ == "__main__":
     main()
