@@ -126,13 +126,6 @@ void decode_attention(const DecodeCall& call) {
       return (tables[next_b * width + lo / block_size] * block_size + row) * token_stride +
              ((task % split) * task_heads + head) * dim;
     };
-    auto prefetch_row = [&](const T* rows, int64_t r) {   // row r from `rows` (null: none)
-      if (rows == nullptr) return;
-      const char* bytes = reinterpret_cast<const char*>(rows + r * token_stride);
-      for (int64_t byte = 0; byte < dim * static_cast<int64_t>(sizeof(T)); byte += 64) {
-        __builtin_prefetch(bytes + byte, 0, 2);   // read, into L2 (T1)
-      }
-    };
     for (int64_t i = plan.offsets[begin]; i < plan.offsets[end]; ++i) {
       const int64_t task = plan.order[i], b = task / split, h_lo = (task % split) * task_heads, end_pos = lens[b];
       const int64_t lo = first_position(b);
@@ -156,7 +149,7 @@ void decode_attention(const DecodeCall& call) {
             if (const int64_t next = next_rows(i, b, block_end, h - h_lo, i0); next >= 0) {
               next_k = k_ptr + next, next_v = v_ptr + next;
               if constexpr (!kDots) {
-                for (int64_t r = 0; r < n; ++r) prefetch_row(next_k, r), prefetch_row(next_v, r);
+                batchrun::prefetch_rows(k_ptr, v_ptr, 0, n, token_stride, next, dim * static_cast<int64_t>(sizeof(T)));
               }
             }
             const T* k_src = k_ptr + slot * token_stride + h * dim;
