@@ -67,7 +67,7 @@ def plan_and_build(model: nn.Module, scheme: Scheme | None, device: torch.device
     def plan(names: list[str]) -> dict[str, tuple[str, ...]]:
         own = model.checkpoint_plan(names)
         if checkpoint_quantizes_head(scheme, set(names)):
-            layers.update(targets(model, lm_head=True))
+            layers["lm_head"] = model.lm_head
             own.pop(LM_HEAD)   # not the embedding's tensor, even where tied: the head's own, routed below
             if LM_HEAD in names:
                 own[LM_HEAD] = (LM_HEAD,)
