@@ -15,7 +15,8 @@ FLOORS = [
     {"stepmodel", "kvcheck"},                # below the job (its ETA, its KV gate) and the planner
     {"job"},
     {"planner", "server"},
-    {"cli_types"},                           # the command line's checked number flags
+    {"cli_types", "cli_options"},            # the command line's checked number flags, its shared options
+    {"cli_plan"},                            # `batchrun plan`, added to the main command by cli
     {"gpucheck", "cli"},
 ]
 ROOT = os.path.dirname(batchrun.__file__)
