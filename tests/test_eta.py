@@ -276,8 +276,11 @@ def test_the_band_holds_the_time_left_on_a_noisy_machine():
 
 def test_the_bands_fit_error_remembers_the_recent_misses():
     # the fits so far missed the steps they had not seen by 6-8 %; the latest by 1 %: the band stays about as wide
-    assert fit_error([0.08, -0.06, 0.07, 0.01]) == pytest.approx(Z90 * (0.0064 + 0.0036 + 0.0049 + 0.0001) ** 0.5 / 2)
-    assert fit_error([0.01, 0.01, -0.4]) == 0.4             # the load just changed: the latest miss, whole
+    off = [0.08, 1 / 0.94 - 1, 0.07, 0.01]                # priced at 0.94x is 1 / 0.94 off
+    assert fit_error([0.08, -0.06, 0.07, 0.01]) == pytest.approx(Z90 * (sum(x * x for x in off) / 4) ** 0.5)
+    # the load just changed: the latest miss, whole, as the factor it is off by (priced at 0.6x: 1.67x off)
+    assert fit_error([0.01, 0.01, -0.4]) == pytest.approx(1 / 0.6 - 1)
+    assert fit_error([0.01, 0.01, 0.4]) == pytest.approx(0.4)
     assert fit_error([]) == 0.0
 
 

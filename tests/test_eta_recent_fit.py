@@ -1,7 +1,7 @@
 """The running job's step-time fit on a synthetic clock: recent steps weigh more (a load change half-way is followed,
 where the fit of every step alike misprices), a fit is trusted only when the steps before the most recent ones
-price those (otherwise the level falls back to theirs and the band widens), a burst of stalls does not move
-the coefficients, and a decode step's per-sequence cost is told from a step's own, so the drain's small batches are
+price those (otherwise the band widens), a swing of the machine's speed that comes back is not carried into the
+rest of the job, a burst of stalls does not move the coefficients, and a decode step's per-sequence cost is told from a step's own, so the drain's small batches are
 priced right before the record holds any."""
 import copy
 
@@ -48,36 +48,51 @@ def test_a_load_change_half_way_is_followed_by_the_weighted_fit():
     shapes, times = record(job)
     since = len(shapes) // 4     # the steps since well after the change
     fitted = fit_recent(shapes, times)
-    assert fitted.trusted and abs(priced_over_measured(fitted.model, shapes[-since:], times[-since:]) - 1) < 0.04
+    assert abs(priced_over_measured(fitted.model, shapes[-since:], times[-since:]) - 1) < 0.04
     # every step alike, stalls put back over the whole record (the fit before): the old speed still counts
     old = fit_linear(shapes, times, holdout_every=0)
     old.scale = sum(times) / sum(old.step_time(s) for s in shapes)
     assert priced_over_measured(old, shapes[-since:], times[-since:]) - 1 < -0.12
     eta = job.eta.estimate(job.scheduler, [])
     truth = job.time_to_finish()
-    assert abs(eta.seconds_left / truth - 1) < 0.08, (eta, truth)
+    assert abs(eta.seconds_left / truth - 1) < 0.08 and eta.low <= truth <= eta.high, (eta, truth)
 
 
-def test_right_after_a_load_change_the_fit_is_not_trusted_and_the_recent_level_prices_the_rest(monkeypatch):
-    estimates, checked = {}, recent_fit.TOLERANCE
-    for tolerance in (checked, np.inf):   # inf: every fit trusted, no held-out check
-        monkeypatch.setattr(recent_fit, "TOLERANCE", tolerance)
+def test_right_after_a_load_change_the_fit_is_not_trusted_and_the_band_reaches_the_new_level():
+    """40 steps after the machine slows by 1.6x for good, the level (the recent half of the record) is still the old
+    one: the point is 37.5 % low, but the fit before the held-out steps priced them 37 % low, so the band widens by
+    that factor, 1.6x (1 + 37 % = 1.37x did not reach the truth), and holds the truth."""
+    job, machine = loaded_job()
+    job.run_until(60)
+    machine.load = 1.6
+    for _ in range(2 * recent_fit.MIN_HELD):
+        job.step()
+    shapes, times = record(job)
+    fitted = fit_recent(shapes, times)
+    eta = job.eta.estimate(job.scheduler, [])
+    truth = copy.deepcopy(job).time_to_finish()
+    assert not fitted.trusted and fitted.miss == pytest.approx(-0.375, abs=0.05)
+    assert eta.low <= truth <= eta.high, (eta, truth)
+    assert eta.high / eta.seconds_left > 1.55
+
+
+def test_a_swing_of_the_machines_speed_that_comes_back_is_not_carried_into_the_rest_of_the_job(monkeypatch):
+    """60 steps at 1.3x, then the old speed again (a shared machine: 10-30 % swings for 50-100 steps, 8 recorded
+    runs on an AMD EPYC). The level of the recent half of the record prices the rest within 5 %; a level read over
+    the last 20 steps (as the held-out steps' level was whenever a fit was not trusted) priced it 30 % high."""
+    estimates = {}
+    for name, window in (("half", {}), ("last 20", {"MIN_LEVEL": 20, "LEVEL_SHARE": 0.0})):
+        for key, value in window.items():
+            monkeypatch.setattr(recent_fit, key, value)
         job, machine = loaded_job()
         job.run_until(60)
-        machine.load = 1.6
-        for _ in range(2 * recent_fit.MIN_HELD):
+        machine.load = 1.3
+        for _ in range(60):
             job.step()
-        shapes, times = record(job)
-        fitted = fit_recent(shapes, times)
+        machine.load = 1.0
         eta = job.eta.estimate(job.scheduler, [])
-        estimates[tolerance] = (fitted, eta, copy.deepcopy(job).time_to_finish())
-    fitted, eta, truth = estimates[checked]
-    # the fit before the held-out steps priced them at the old speed: 1 / 1.6 - 1 = -37.5 %
-    assert not fitted.trusted and fitted.miss == pytest.approx(-0.375, abs=0.05)
-    assert abs(eta.seconds_left / truth - 1) < 0.1 and eta.low <= truth <= eta.high, (eta, truth)
-    assert (eta.high - eta.low) / eta.seconds_left > 0.6         # widened by the miss, both ways
-    trusting, unchecked, truth = estimates[np.inf]
-    assert trusting.trusted and unchecked.seconds_left / truth - 1 < -0.15, (unchecked, truth)
+        estimates[name] = eta.seconds_left / copy.deepcopy(job).time_to_finish() - 1
+    assert abs(estimates["half"]) < 0.05 and estimates["last 20"] > 0.2, estimates
 
 
 def test_a_burst_of_stalls_does_not_move_the_fit():

@@ -62,9 +62,11 @@ def length_spread(lengths: OutputLengths, running: list[tuple[int, int]], rows: 
 def fit_error(misses) -> float:
     """How far a fit may price the steps to come off: the latest held-out miss (the load may just have changed), and
     at least Z90 x the root mean square of the recent fits' misses (one lucky small miss does not narrow the band
-    while the fits before it missed by more)."""
-    misses = np.asarray(list(misses), dtype=float)
-    return max(abs(misses[-1]), Z90 * float(np.sqrt(np.mean(misses ** 2)))) if len(misses) else 0.0
+    while the fits before it missed by more). A miss counts as the factor it is off by, either way: steps priced at
+    0.63x their time are 1.6x off (+60 %), not 37 % (the band, 1 / 1.37 to 1.37x, missed a load change of 1.6x)."""
+    priced = np.maximum(1 + np.asarray(list(misses), dtype=float), 1e-9)   # priced / measured
+    off = np.maximum(priced, 1 / priced) - 1
+    return max(off[-1], Z90 * float(np.sqrt(np.mean(off ** 2)))) if len(off) else 0.0
 
 
 def step_spread(model: LinearModel, shapes: list[StepShape], times: list[float], miss: float = 0.0

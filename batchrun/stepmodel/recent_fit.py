@@ -1,14 +1,19 @@
 """The step-time model of a running job, fitted so that it prices the steps to come at the machine's present speed.
 
-- Recent steps weigh more (half-life: an eighth of the record, at least MIN_HALF_LIFE steps): a shared machine's
-  load changes during a job, and the steps of an hour ago price the next ones at the old speed. Old steps still
-  fix what recent ones cannot tell (the prefill term, when the recent steps are all decodes).
+- Recent steps weigh more (half-life: half the record, at least MIN_HALF_LIFE steps): the job's steps change shape
+  as it goes (longer contexts, the drain's small batches), and a load that changes for good changes the prices.
+- The level (measured / priced) is read over the most recent half of the record (at least MIN_LEVEL steps), steps
+  far off its median left out. A shared machine's speed swings by 10-30 % for 50-100 steps at a time and comes
+  back (a fit of a whole run against its own steps, 17-89-step windows: 0.77-1.38 on an AMD EPYC, 8 recorded
+  runs); a level read over the last 20-35 steps carried such a swing into the price of the whole rest of the job.
+  Replaying those runs (fits at 10-75 % of each, priced / measured of the steps that followed,
+  bench/eta_fit_probe.py --replay): mean error 12.5 % and 75 % of points within 15 % with a 64-step half-life and
+  the level of the last 2 half-lives (of the held-out steps when untrusted); 6.3 % and 92 % with these settings.
+  The price of that: a load that changes for good is followed once it holds most of the level's window.
 - Outliers (a GC pause, a preempted core) are rejected by the fit (fit_linear, 3 robust sigmas); their time comes
   back as their share of the record's time (stalls recur), not as a change of the coefficients.
 - The fit is trusted only when the fit on the steps before the most recent ones prices those (held out) within
-  TOLERANCE. Otherwise (the load just changed, or the steps changed shape beyond what was seen) the model's level
-  falls back to the most recent steps' own: measured / priced over them, and the miss is reported so that the
-  band widens by it.
+  TOLERANCE; the miss is reported either way and the band (job/eta_band.py) widens by it.
 """
 from __future__ import annotations
 
@@ -21,7 +26,9 @@ from batchrun.stepmodel.costmodel import StepShape
 from batchrun.stepmodel.linear_fit import ContextPrior, LinearModel, fit_linear
 
 MIN_HALF_LIFE = 64      # steps
-HALF_LIFE_SHARE = 1 / 8
+HALF_LIFE_SHARE = 1 / 2
+MIN_LEVEL = 128         # steps: the level's window, at least
+LEVEL_SHARE = 1 / 2     # ... and the most recent half of the record
 HELD_SHARE = 0.1        # the most recent tenth of the record is held out, at least MIN_HELD steps, at most MAX_HELD
 MIN_HELD, MAX_HELD = 20, 200
 MIN_TRAIN = 8           # steps before the held-out ones needed to check a fit at all
@@ -34,7 +41,7 @@ LOCAL = 33              # steps around a step (odd) whose median measured / pric
 class RecentFit:
     model: LinearModel     # scale set: the recent level, stalls included
     miss: float | None     # priced / measured - 1 of the held-out recent steps by the fit before them; None: too few
-    trusted: bool          # the held-out steps confirmed the fit; otherwise its level is theirs
+    trusted: bool          # the held-out steps confirmed the fit
 
 
 def recency_weights(count: int) -> np.ndarray:
@@ -58,8 +65,7 @@ def fit_recent(shapes: list[StepShape], times: list[float], prior: ContextPrior 
         except (ValueError, np.linalg.LinAlgError):
             miss = None
     trusted = miss is not None and abs(miss) <= TOLERANCE
-    # the level: of the steps that weigh now (two half-lives) when trusted, of the held-out ones otherwise
-    window = held if not trusted else min(count, int(2 * max(MIN_HALF_LIFE, count * HALF_LIFE_SHARE)))
+    window = min(count, max(MIN_LEVEL, int(count * LEVEL_SHARE)))
     level = _level(_priced(model, shapes[-window:]), measured[-window:])
     model.scale = level * (1 + _stall_share(_priced(model, shapes), measured))
     return RecentFit(model, miss, trusted)
