@@ -16,7 +16,6 @@ reads, as it does for a sequence's cost against a step's own while every decode 
 """
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import random
@@ -28,7 +27,7 @@ from datetime import datetime
 import numpy as np
 
 from batchrun.job.eta_band import (Familiar, band, extrapolated_share, familiar_steps, fit_error, length_spread,
-                                   step_spread, widen)
+                                   step_spread, tokens_left, widen)
 from batchrun.job.output_lengths import KEEP, OutputLengths
 from batchrun.stepmodel.costmodel import StepShape
 from batchrun.stepmodel.linear_fit import ContextPrior, LinearModel
@@ -263,11 +262,10 @@ class EtaEstimator:
         weight = pending / max(sampled, 1)
         rows = [(generated, max_tokens, prompt, 1.0 if i < started else weight)
                 for i, (_, prompt, generated, max_tokens, _) in enumerate(requests)]
-        expected = functools.lru_cache(maxsize=None)(self.lengths.expected)
-        tokens = round(sum(w * (expected(g, m, p) - g) for g, m, p, w in rows))
+        tokens = tokens_left(self.lengths, rows)
         steps_spread = widen(steps_spread, float(np.mean([share for _, share in runs])))
-        low, high = band(seconds, length_spread(self.lengths, in_engine, rows, self._bootstrap), steps_spread)
-        return Eta(seconds, self.wall_clock() + seconds, tokens, low, high)
+        low, high = band(seconds, length_spread(self.lengths, in_engine, rows, self._bootstrap, tokens), steps_spread)
+        return Eta(seconds, self.wall_clock() + seconds, round(tokens), low, high)
 
     def _unread_keys(self, count: int, stride: int) -> list[tuple[int, int]]:
         """(prompt tokens, max_tokens) of every stride-th row not read yet, cycled from the rows read."""

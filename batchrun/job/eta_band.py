@@ -36,26 +36,24 @@ RECENT_STEPS = 400     # the steps the model's error is read from
 EXTRAPOLATION = 0.15
 
 
+def tokens_left(lengths: OutputLengths, rows: list[tuple[int, int, int, float]]) -> float:
+    """The output tokens the rows are expected to generate yet. rows: (generated, max_tokens, prompt tokens, weight)."""
+    expected = functools.lru_cache(maxsize=None)(lengths.expected)
+    return sum(w * (expected(g, m, p) - g) for g, m, p, w in rows)
+
+
 def length_spread(lengths: OutputLengths, running: list[tuple[int, int]], rows: list[tuple[int, int, int, float]],
-                  rng: random.Random) -> tuple[float, float]:
-    """p10 and p90 of (output tokens left with the finished rows resampled) / (with the rows themselves). rows:
-    (generated, max_tokens, prompt tokens, weight) of every row left; running: as OutputLengths.fit takes it."""
+                  rng: random.Random, base: float) -> tuple[float, float]:
+    """p10 and p90 of (output tokens left with the finished rows resampled) / base, the tokens left with the rows
+    themselves (tokens_left). rows: as tokens_left takes them; running: as OutputLengths.fit takes them."""
     finished = list(lengths.finished)
-    if len(finished) < 2:
-        return 1.0, 1.0
-
-    def tokens_left(model: OutputLengths) -> float:
-        expected = functools.lru_cache(maxsize=None)(model.expected)
-        return sum(w * (expected(g, m, p) - g) for g, m, p, w in rows)
-
-    base = tokens_left(lengths)
-    if base <= 0:
+    if len(finished) < 2 or base <= 0:
         return 1.0, 1.0
     ratios = []
     for _ in range(REPLICATES):
         resampled = OutputLengths(rng.choices(finished, k=len(finished)))
         resampled.fit(running)
-        ratios.append(tokens_left(resampled) / base)
+        ratios.append(tokens_left(resampled, rows) / base)
     return float(np.quantile(ratios, 0.1)), float(np.quantile(ratios, 0.9))
 
 
