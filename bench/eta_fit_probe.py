@@ -2,7 +2,7 @@
 
     python bench/eta_fit_probe.py [--job jobs/demo.yaml] [--order shortest_first|longest_first] [--set KEY=VALUE]
                                   [--steps steps.json]
-    python bench/eta_fit_probe.py --replay steps.json [--cpu-time]
+    python bench/eta_fit_probe.py --replay steps.json [more.json ...] [--cpu-time]
 
 Runs the job once, recording every engine step (shape and measured time), every step-time fit the ETA makes and
 every simulation it runs (two per estimate: eta.antithetic_strata). Then, for each simulation, sets the simulated
@@ -10,10 +10,11 @@ steps beside the steps that really followed (count, tokens, sequences, KV read, 
 that moment's fit, against the measured time of the real ones; and, per fit, the priced / measured ratio of the real steps that followed it, by kind of step.
 A simulation matching the real steps with a fit pricing them high is a step-model problem, not a scheduling one.
 
---replay refits a recorded run (--steps) with today's fit (stepmodel/recent_fit.py, the run's priors) on its first
-15 ... 75 % of steps and prices the rest, by kind of step, without running the job: a change to the fit measured on
-the same steps. --cpu-time prices the steps' CPU time instead of their wall time: on a core shared with another
-process, its load moves the wall time of a step by tens of percent, not its CPU time.
+--replay refits recorded runs (--steps) with today's fit (stepmodel/recent_fit.py, the run's priors) on their first
+10 ... 75 % of steps and prices the rest, by kind of step, without running the job, then the mean error over every
+run and point: a change to the fit measured on the same steps. --cpu-time prices the steps' CPU time instead of
+their wall time: on a core shared with another process, its load moves the wall time of a step by tens of percent,
+not its CPU time.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ from batchrun.stepmodel.linear_fit import ContextPrior
 from batchrun.stepmodel.recent_fit import fit_recent  # noqa: E402
 
 BATCH_BINS = ((1, 8), (8, 16), (16, 24), (24, 10**9))
-REPLAY_AT = (0.15, 0.25, 0.4, 0.5, 0.6, 0.75)
+REPLAY_AT = (0.1, 0.25, 0.4, 0.5, 0.6, 0.75)
 
 
 def record(job: str, order: str, overrides: list[str]) -> tuple[list, dict, list, list, ContextPrior | None]:
@@ -123,20 +124,27 @@ def kinds_priced(priced: np.ndarray, measured: np.ndarray, shapes: list[StepShap
     return ", ".join(parts)
 
 
-def replay(path: str, cpu_time: bool) -> None:
-    with open(path) as f:
-        run = json.load(f)
-    prior = run.get("prior") and ContextPrior(**run["prior"])
-    kept = [step for step in run["steps"][WARMUP_STEPS:] if step[0]]   # as the ETA records them
-    shapes = [StepShape(*step[:4]) for step in kept]
-    measured = np.array([step[5 if cpu_time else 4] for step in kept])
-    print(f"{path}: {run['cpu']}, {run['order']}, overrides {run['overrides']}, {len(kept)} steps, "
-          f"{'CPU' if cpu_time else 'wall'} time, prior {prior}")
-    for share in REPLAY_AT:
-        at = int(share * len(kept))
-        model = fit_recent(shapes[:at], list(measured[:at]), prior=prior).model
-        priced = np.array([model.step_time(s) for s in shapes[at:]])
-        print(f"  fit on the first {round(100 * share)} %: " + kinds_priced(priced, measured[at:], shapes[at:]))
+def replay(paths: list[str], cpu_time: bool) -> None:
+    errors = []
+    for path in paths:
+        with open(path) as f:
+            run = json.load(f)
+        prior = run.get("prior") and ContextPrior(**run["prior"])
+        kept = [step for step in run["steps"][WARMUP_STEPS:] if step[0]]   # as the ETA records them
+        shapes = [StepShape(*step[:4]) for step in kept]
+        measured = np.array([step[5 if cpu_time else 4] for step in kept])
+        print(f"{path}: {run['cpu']}, {run['order']}, overrides {run['overrides']}, {len(kept)} steps, "
+              f"{'CPU' if cpu_time else 'wall'} time, prior {prior}")
+        for share in REPLAY_AT:
+            at = int(share * len(kept))
+            model = fit_recent(shapes[:at], list(measured[:at]), prior=prior).model
+            priced = np.array([model.step_time(s) for s in shapes[at:]])
+            errors.append(priced.sum() / measured[at:].sum() - 1)
+            print(f"  fit on the first {round(100 * share)} %: " + kinds_priced(priced, measured[at:], shapes[at:]))
+    size = np.abs(errors)
+    print(f"{len(paths)} runs x {len(REPLAY_AT)} points, all steps that followed: mean |priced / measured - 1| "
+          f"{100 * size.mean():.1f} %, within 15 % at {100 * np.mean(size <= 0.15):.0f} % of points, worst "
+          f"{100 * size.max():.1f} %")
 
 
 def main() -> None:
@@ -148,7 +156,8 @@ def main() -> None:
     ap.add_argument("--steps", help="write every recorded step [tokens, seqs, kv_tokens, attn_pairs, seconds, CPU "
                                     "seconds] and finished row [prompt tokens, generated, max_tokens] here (JSON), "
                                     "to replay fits and forecasts offline")
-    ap.add_argument("--replay", metavar="STEPS_JSON", help="refit a recorded run (--steps) instead of running one")
+    ap.add_argument("--replay", metavar="STEPS_JSON", nargs="+",
+                    help="refit recorded runs (--steps) instead of running one")
     ap.add_argument("--cpu-time", action="store_true", help="with --replay: price the steps' CPU time")
     args = ap.parse_args()
     if args.replay:
