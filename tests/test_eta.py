@@ -17,7 +17,7 @@ from batchrun.engine.step_stats import StepShape
 from batchrun.job import Job, JobError, JobSpec
 from batchrun.job.bucketing import RowFeed
 from batchrun.job.eta import MIN_STEPS, Eta, EtaEstimator, deadline_verdict
-from batchrun.job.eta_band import Z90, fit_error, step_spread
+from batchrun.job.eta_band import MAX_MISS, Z90, fit_error, step_spread
 from batchrun.sampling_params import SamplingParams
 from batchrun.stepmodel.linear_fit import ContextPrior, LinearModel, fit_linear
 from batchrun.stepmodel.simulate import WorkItem, admission_keys, make_scheduler
@@ -281,6 +281,7 @@ def test_the_bands_fit_error_remembers_the_recent_misses():
     # the load just changed: the latest miss, whole, as the factor it is off by (priced at 0.6x: 1.67x off)
     assert fit_error([0.01, 0.01, -0.4]) == pytest.approx(1 / 0.6 - 1)
     assert fit_error([0.01, 0.01, 0.4]) == pytest.approx(0.4)
+    assert fit_error([0.01, 0.01, -0.8]) == pytest.approx(MAX_MISS)     # priced at a fifth: a factor of 2 at most
     assert fit_error([]) == 0.0
 
 
