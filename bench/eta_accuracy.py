@@ -2,7 +2,7 @@
 
     python bench/eta_accuracy.py [--job jobs/demo.yaml] [--every 10] [--json out.json] [--set batching.pilot=0.2]
                                  [--dtypes float32,bfloat16] [--orders longest_first] [--rows 1000] [--repeats 3]
-                                 [--cpu-clock]
+                                 [--cpu-clock] [--steps DIR]
 
 Runs the job into fresh temporary output directories, per compute dtype (--dtypes, engine.dtype) in both orders:
 bucketing with shortest prompts first (the default), then longest first. --rows N runs N rows cycled from the
@@ -10,6 +10,8 @@ job's input (ids made unique, max_tokens varied 16-256 by a fixed pattern) inste
 --repeats N runs each cell (dtype x order) N times: every run's points are shown, then each point's mean and spread
 (min..max) over the runs, so that a bias (the mean) is told from the machine's noise (the spread). --cpu-clock
 times the job and its estimate on the process's CPU clock (cpu_clocked): on a core shared with other processes.
+--steps DIR saves each run's steps (step_recorder.py) as DIR/steps_<dtype>_<order>_<run>.json, which
+`bench/eta_fit_probe.py --replay` refits: what the step fit priced, from the very runs the table reports.
 Beside the job's own estimate (job/eta.py: the work left simulated with the step-time model fitted on the job's own steps) it
 records the row-count estimate the progress line used before (rows left / rows per second so far). Reports the error of each against the time that was really left, at 10, 25, 50 and 75 % of
 the run's stepping wall time (from its first engine step to its end; model load not counted). Goal (issue 18):
@@ -33,6 +35,7 @@ import batchrun.job.progress as progress_module
 from batchrun.cpuinfo import cpu_model, cpu_flags
 from batchrun.job import Job, JobSpec
 from batchrun.job.eta import EtaEstimator
+from step_recorder import recorded_steps, save   # bench/ is on the path when this script runs
 
 POINTS = (0.10, 0.25, 0.50, 0.75)
 
@@ -80,7 +83,8 @@ def cpu_clocked():
         EtaEstimator.from_engine = classmethod(real)
 
 
-def run_recorded(job: str, order: dict, every: float, overrides: list[str], cpu_clock: bool = False) -> dict:
+def run_recorded(job: str, order: dict, every: float, overrides: list[str], cpu_clock: bool = False,
+                 steps_path: str | None = None) -> dict:
     """Run the job, recording (seconds since its first step, job ETA, row-count ETA, rows done) every `every`
     seconds (of the process's CPU time with cpu_clock, and the job's ETA on that clock: cpu_clocked). Model load and
     compilation come before the first step and are not counted."""
@@ -107,13 +111,17 @@ def run_recorded(job: str, order: dict, every: float, overrides: list[str], cpu_
 
     progress_module.Progress.tick = tick
     try:
-        with tempfile.TemporaryDirectory() as out, (cpu_clocked() if cpu_clock else contextlib.nullcontext()):
+        with tempfile.TemporaryDirectory() as out, (cpu_clocked() if cpu_clock else contextlib.nullcontext()), \
+                recorded_steps() as steps:
             result = Job.from_yaml(job, [f"output.path={out}/run", "output.log_every_s=60",
                                          *(f"batching.{k}={str(v).lower()}" for k, v in order.items()),
                                          *overrides]).run(
                 progress="log")
     finally:
         progress_module.Progress.tick = real_tick
+    if steps_path:
+        save(steps_path, steps, cpu_model(), job, "longest_first" if order["longest_first"] else "shortest_first",
+             overrides)
     if result.status != "done":   # a SIGTERM stops the job gracefully: its time left was never reached
         raise SystemExit(f"the job was {result.status}: no errors to report for a run that did not finish")
     wall = clock() - start
@@ -185,6 +193,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="runs of each dtype x order cell")
     parser.add_argument("--cpu-clock", action="store_true",
                         help="time the job and its ETA on the process's CPU clock (a core shared with other load)")
+    parser.add_argument("--steps", metavar="DIR", help="save each run's steps here, for eta_fit_probe.py --replay")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a job-file override for every run, as `batchrun submit --set` takes")
     args = parser.parse_args()
@@ -207,7 +216,10 @@ def main() -> None:
                 extra = [] if dtype == "auto" else [f"engine.dtype={dtype}"]
                 runs = result["runs"][name] = []
                 for repeat in range(args.repeats):
-                    runs.append(run_recorded(args.job, order, args.every, overrides + extra, args.cpu_clock))
+                    steps_path = args.steps and os.path.join(args.steps,
+                                                             f"steps_{dtype}_{order_name}_{repeat + 1}.json")
+                    runs.append(run_recorded(args.job, order, args.every, overrides + extra, args.cpu_clock,
+                                             steps_path))
                     report(f"{name} run {repeat + 1}/{args.repeats}", runs[-1], result["cpu"], flags)
                 if args.repeats > 1:
                     report_cell(name, runs)

@@ -19,12 +19,10 @@ not its CPU time.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
 import tempfile
-import time
 
 import numpy as np
 
@@ -35,57 +33,42 @@ from batchrun.cpuinfo import cpu_model  # noqa: E402
 from batchrun.job import Job  # noqa: E402
 from batchrun.job.eta import WARMUP_STEPS  # noqa: E402
 from batchrun.stepmodel.costmodel import StepShape  # noqa: E402
-from batchrun.stepmodel.linear_fit import ContextPrior
+from batchrun.stepmodel.linear_fit import ContextPrior  # noqa: E402
 from batchrun.stepmodel.recent_fit import fit_recent  # noqa: E402
+from step_recorder import recorded_steps, save  # noqa: E402
 
 BATCH_BINS = ((1, 8), (8, 16), (16, 24), (24, 10**9))
 REPLAY_AT = (0.1, 0.25, 0.4, 0.5, 0.6, 0.75)
 
 
-def record(job: str, order: str, overrides: list[str]) -> tuple[list, dict, list, list, ContextPrior | None]:
-    """(steps [(tokens, seqs, kv_tokens, attn_pairs, seconds, CPU seconds)], {steps seen: fit}, [(steps seen,
-    trace)], finished rows in order [(prompt tokens, generated, max_tokens)], the ETA's prior). CPU seconds: the process's CPU time
-    since the step before (the step and the runner's work around it), which another process on the same core does
-    not inflate as it does the step's wall time."""
-    steps, fits, sims, rows, prior = [], {}, [], [], []
-    cpu = [time.process_time()]
+def record(job: str, order: str, overrides: list[str]) -> tuple[dict, dict, list]:
+    """(the job's steps, finished rows and prior as step_recorder records them, {steps seen: fit}, [(steps seen,
+    trace)])."""
+    fits, sims = {}, []
     estimator = eta_module.EtaEstimator
-    real_observe, real_fit, real_simulate = estimator.observe_step, estimator._fit, eta_module.simulate
-    real_finished = estimator.observe_finished
+    real_fit, real_simulate = estimator._fit, eta_module.simulate
 
-    def observe(self, shape, seconds, output_tokens=0):
-        now = time.process_time()
-        steps.append((shape.tokens, shape.seqs, shape.kv_tokens, shape.attn_pairs, seconds, now - cpu[0]))
-        cpu[0] = now
-        return real_observe(self, shape, seconds, output_tokens)
+    with recorded_steps() as steps:
+        def fit(self):
+            fitted = real_fit(self)
+            if fitted is not None:
+                fits[len(steps["steps"])] = fitted[0]
+            return fitted
 
-    def fit(self):
-        fitted = real_fit(self)
-        prior[:] = [self.prior]
-        if fitted is not None:
-            fits[len(steps)] = fitted[0]
-        return fitted
+        def simulate(items, *args, **kwargs):
+            trace = real_simulate(items, *args, **kwargs)
+            sims.append((len(steps["steps"]), trace))
+            return trace
 
-    def simulate(items, *args, **kwargs):
-        trace = real_simulate(items, *args, **kwargs)
-        sims.append((len(steps), trace))
-        return trace
-
-    def finished(self, generated, max_tokens, prompt_tokens):
-        rows.append((prompt_tokens, generated, max_tokens))
-        return real_finished(self, generated, max_tokens, prompt_tokens)
-
-    estimator.observe_step, estimator._fit, eta_module.simulate = observe, fit, simulate
-    estimator.observe_finished = finished
-    try:
-        with tempfile.TemporaryDirectory() as out:
-            Job.from_yaml(job, [f"output.path={out}/run", "output.log_every_s=60",
-                                f"batching.longest_first={str(order == 'longest_first').lower()}", *overrides]
-                          ).run(progress="log")
-    finally:
-        estimator.observe_step, estimator._fit, eta_module.simulate = real_observe, real_fit, real_simulate
-        estimator.observe_finished = real_finished
-    return steps, fits, sims, rows, prior[0] if prior else None
+        estimator._fit, eta_module.simulate = fit, simulate
+        try:
+            with tempfile.TemporaryDirectory() as out:
+                Job.from_yaml(job, [f"output.path={out}/run", "output.log_every_s=60",
+                                    f"batching.longest_first={str(order == 'longest_first').lower()}", *overrides]
+                              ).run(progress="log")
+        finally:
+            estimator._fit, eta_module.simulate = real_fit, real_simulate
+    return steps, fits, sims
 
 
 def report(steps: list, fits: dict, sims: list) -> None:
@@ -163,12 +146,10 @@ def main() -> None:
     if args.replay:
         return replay(args.replay, args.cpu_time)
     print(f"CPU: {cpu_model()}; job {args.job}, {args.order}, overrides {args.set}")
-    steps, fits, sims, rows, prior = record(args.job, args.order, args.set)
+    recorded, fits, sims = record(args.job, args.order, args.set)
     if args.steps:
-        with open(args.steps, "w") as f:
-            json.dump({"cpu": cpu_model(), "job": args.job, "order": args.order, "overrides": args.set,
-                       "prior": prior and dataclasses.asdict(prior), "steps": steps, "finished": rows}, f)
-    report(steps, fits, sims)
+        save(args.steps, recorded, cpu_model(), args.job, args.order, args.set)
+    report(recorded["steps"], fits, sims)
 
 
 if __name__ == "__main__":
