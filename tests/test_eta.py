@@ -17,9 +17,8 @@ from batchrun.engine.step_stats import StepShape
 from batchrun.job import Job, JobError, JobSpec
 from batchrun.job.bucketing import RowFeed
 from batchrun.job.eta import MIN_STEPS, Eta, EtaEstimator, deadline_verdict
-from batchrun.job.eta_band import MAX_MISS, Z90, fit_error, step_spread
 from batchrun.sampling_params import SamplingParams
-from batchrun.stepmodel.linear_fit import ContextPrior, LinearModel, fit_linear
+from batchrun.stepmodel.linear_fit import ContextPrior, fit_linear
 from batchrun.stepmodel.simulate import WorkItem, admission_keys, make_scheduler
 from jobkit import write_job, write_prompts
 
@@ -272,24 +271,6 @@ def test_the_band_holds_the_time_left_on_a_noisy_machine():
         widths.append((eta.high - eta.low) / eta.seconds_left)
     assert sum(held) >= 3, (held, widths)
     assert widths[-1] < widths[0], widths
-
-
-def test_the_bands_fit_error_remembers_the_recent_misses():
-    # the fits so far missed the steps they had not seen by 6-8 %; the latest by 1 %: the band stays about as wide
-    off = [0.08, 1 / 0.94 - 1, 0.07, 0.01]                # priced at 0.94x is 1 / 0.94 off
-    assert fit_error([0.08, -0.06, 0.07, 0.01]) == pytest.approx(Z90 * (sum(x * x for x in off) / 4) ** 0.5)
-    # the load just changed: the latest miss, whole, as the factor it is off by (priced at 0.6x: 1.67x off)
-    assert fit_error([0.01, 0.01, -0.4]) == pytest.approx(1 / 0.6 - 1)
-    assert fit_error([0.01, 0.01, 0.4]) == pytest.approx(0.4)
-    assert fit_error([0.01, 0.01, -0.8]) == pytest.approx(MAX_MISS)     # priced at a fifth: a factor of 2 at most
-    assert fit_error([]) == 0.0
-
-
-def test_a_large_fit_miss_widens_the_band_by_a_factor_never_to_zero():
-    # a fit that priced the held-out steps at 5x (miss +4): the time left may be a fifth of the estimate, not 0 s
-    model = LinearModel(a=0.01, b=0.0, c=0.0)   # no recent steps to read: the band is the miss alone
-    assert step_spread(model, [], [], 4.0) == pytest.approx((0.2, 5.0))
-    assert step_spread(model, [], [], -0.1) == pytest.approx((1 / 1.1, 1.1))
 
 
 def test_deadline_values():

@@ -1,9 +1,11 @@
-"""The band's extrapolation term: the share of the time left spent in smaller batches than the recent steps had, or
-at contexts outside their range."""
+"""The band's extrapolation term (the share of the time left spent in smaller batches than the recent steps had, or
+at contexts outside their range) and its fit error (the held-out misses of the recent fits)."""
 import pytest
 
 from batchrun.engine.step_stats import StepShape
-from batchrun.job.eta_band import EXTRAPOLATION, RECENT_STEPS, band, extrapolated_share, familiar_steps, widen
+from batchrun.job.eta_band import (EXTRAPOLATION, MAX_MISS, RECENT_STEPS, Z90, band, extrapolated_share, familiar_steps,
+                                   fit_error, step_spread, widen)
+from batchrun.stepmodel.linear_fit import LinearModel
 
 
 def decode(seqs: int) -> StepShape:
@@ -40,3 +42,21 @@ def test_contexts_beyond_the_recent_steps_range_widen_the_step_side():
     assert (familiar.seqs, familiar.context_low, familiar.context_high) == (32, 3000, 3900)
     trace = [StepShape(32, 32, 3500, 0)] * 3 + [StepShape(32, 32, 5000, 0)] + [StepShape(32, 32, 2000, 0)]
     assert extrapolated_share(trace, [1.0] * 5, familiar) == pytest.approx(0.4)
+
+
+def test_the_bands_fit_error_remembers_the_recent_misses():
+    # the fits so far missed the steps they had not seen by 6-8 %; the latest by 1 %: the band stays about as wide
+    off = [0.08, 1 / 0.94 - 1, 0.07, 0.01]                # priced at 0.94x is 1 / 0.94 off
+    assert fit_error([0.08, -0.06, 0.07, 0.01]) == pytest.approx(Z90 * (sum(x * x for x in off) / 4) ** 0.5)
+    # the load just changed: the latest miss, whole, as the factor it is off by (priced at 0.6x: 1.67x off)
+    assert fit_error([0.01, 0.01, -0.4]) == pytest.approx(1 / 0.6 - 1)
+    assert fit_error([0.01, 0.01, 0.4]) == pytest.approx(0.4)
+    assert fit_error([0.01, 0.01, -0.8]) == pytest.approx(MAX_MISS)     # priced at a fifth: a factor of 2 at most
+    assert fit_error([]) == 0.0
+
+
+def test_a_large_fit_miss_widens_the_band_by_a_factor_never_to_zero():
+    # a fit that priced the held-out steps at 5x (miss +4): the time left may be a fifth of the estimate, not 0 s
+    model = LinearModel(a=0.01, b=0.0, c=0.0)   # no recent steps to read: the band is the miss alone
+    assert step_spread(model, [], [], 4.0) == pytest.approx((0.2, 5.0))
+    assert step_spread(model, [], [], -0.1) == pytest.approx((1 / 1.1, 1.1))
