@@ -33,7 +33,10 @@ class TorchAttentionBackend:
         """query [T, heads, d], key/value [T, kv_heads, d] -> [T, heads, d]; `window` W: each query sees its
         last W positions; `softcap` c: scores become c * tanh(scores / c)."""
         k, v, k_scale, v_scale = cache
-        reference.write_kv_cache(key, value, k, v, meta.slot_mapping, k_scale, v_scale)
+        if self.kernel is not None and cpu_attention.stores_as_computed(key, k, k_scale):
+            cpu_attention.write_kv_cache(key, value, k, v, meta.slot_mapping)
+        else:
+            reference.write_kv_cache(key, value, k, v, meta.slot_mapping, k_scale, v_scale)
         if self.deterministic:
             return self._row_wise(query, cache, meta, scale, window, softcap)
         out = torch.empty_like(query)

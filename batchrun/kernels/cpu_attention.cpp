@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "cpu_attention_amx.h"
+#include "cpu_cache_write.h"
 #include "cpu_prefill.h"
 #include "cpu_prefill_amx.h"
 #include "cpu_vec.h"
@@ -401,6 +402,7 @@ std::tuple<int64_t, std::vector<int64_t>, std::vector<int64_t>> task_plan(const 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention reading K/V in place");
   m.def("paged_prefill_attention", &paged_prefill_attention, "a prefill chunk over its paged context");
+  m.def("write_kv_cache", &batchrun::write_kv_rows, "the step's new K/V rows into their slots, stored as computed");
   m.def("prefill_ready", [](bool bf16) { return bf16 ? batchrun::kPrefillBf16 : batchrun::kPrefillFloat; },
         "whether paged_prefill_attention can run here for bfloat16 (else float32)");
   m.def("prefill_amx_ready", [] { return batchrun::kAmx && batchrun::amx_ready(); },

@@ -25,12 +25,24 @@ import torch
 from batchrun.kernels import cpp_build
 
 _QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_SOURCES = ("cpu_attention.cpp", "cpu_attention_amx.h", "cpu_prefill.h", "cpu_prefill_amx.h", "amx.h", "cpu_vec.h",
+_SOURCES = ("cpu_attention.cpp", "cpu_attention_amx.h", "cpu_cache_write.h", "cpu_prefill.h", "cpu_prefill_amx.h", "amx.h", "cpu_vec.h",
             "task_balance.h")
 _PREFILL_HEAD_DIMS = (64, 128)
 _kernel = cpp_build.Kernel("batchrun_cpu_attention", [Path(__file__).with_name(name) for name in _SOURCES],
                            "CPU attention kernel", "the slower torch path")
 load = _kernel.load   # the compiled module, or None (no compiler, failed build, or turned off)
+
+
+def stores_as_computed(key: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None) -> bool:
+    """Whether write_kv_cache can store `key`'s rows in this cache: no 8-bit scales, the same dtype."""
+    return k_scale is None and key.dtype == k_cache.dtype
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """reference.write_kv_cache's contract where stores_as_computed(): each token's rows copied to its slot, -1
+    skipped, a slot outside the pool refused. Call only when load() returned a module."""
+    _kernel.module.write_kv_cache(key, value, k_cache, v_cache, slot_mapping.long().contiguous())
 
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
