@@ -125,7 +125,8 @@ class CausalLM(nn.Module):
         # one to the shared _forward's and the ninth model in a process would fail. A copy of the code per model.
         fn = type(self)._forward
         own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-        self._graph = torch.compile(types.MethodType(own, self), dynamic=True, fullgraph=True)
+        self._graph = torch.compile(types.MethodType(own, self), dynamic=True, fullgraph=True,
+                                    options=graph.COMPILE_OPTIONS)
 
     @property
     def graph_compiled(self) -> bool:
