@@ -25,8 +25,8 @@ import torch
 from batchrun.kernels import cpp_build
 
 _QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_SOURCES = ("cpu_attention.cpp", "cpu_attention_amx.h", "cpu_cache_write.h", "cpu_prefill.h", "cpu_prefill_amx.h", "amx.h", "cpu_vec.h",
-            "task_balance.h")
+_SOURCES = ("cpu_attention.cpp", "cpu_attention_amx.h", "cpu_cache_write.h", "cpu_prefill.h", "cpu_prefill_amx.h",
+            "amx.h", "cpu_vec.h", "task_balance.h")
 _PREFILL_HEAD_DIMS = (64, 128)
 _kernel = cpp_build.Kernel("batchrun_cpu_attention", [Path(__file__).with_name(name) for name in _SOURCES],
                            "CPU attention kernel", "the slower torch path")
