@@ -27,8 +27,8 @@ import torch
 # The code that calls the graph's kernels and ops in C++ (cpp_wrapper), not Python, and without the size, alignment
 # and scalar checks inductor puts around each call: a SmolLM2 bf16 step makes about 200 such calls. 32 requests x 64
 # tokens, both graphs in one process, 10 alternating rounds, AMD EPYC (2 cores): median 4.30 -> 4.02 s, faster in
-# every round; the 0.3B Llama at int8 4.38 -> 4.26 s. The first start compiles about 12 s longer (71 -> 83 s with
-# an empty inductor cache), later ones read it from the cache.
+# every round (runs of 6 and 8 rounds: 4.17 -> 3.71, 3.85 -> 3.80); the 0.3B Llama at int8 4.38 -> 4.26 s. The first
+# start compiles about 12 s longer (71 -> 83 s with an empty inductor cache), later ones read it from the cache.
 COMPILE_OPTIONS = {"cpp_wrapper": True, "size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
 
 _objects: dict[int, Any] = {}   # handle -> packed weight, or weak reference to an Attention module
