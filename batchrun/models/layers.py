@@ -35,7 +35,7 @@ class Linear(nn.Linear):
         if self.quantized is not None:
             return self.quantized(x, self.bias)
         # Packed or not by the handle: a traced graph that read the packed tensor itself would guard its sizes on
-        # every call (SmolLM2: 316 guards in Python, about 1.3 ms a step).
+        # every call (SmolLM2: 242 of its 316 Python guards; the guard check went 1.27 -> 0.85 ms a step without them).
         packed = self.handle is not None
         if not packed and not self.row_tile:
             return F.linear(x, self.weight, self.bias)
