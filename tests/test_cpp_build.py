@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from batchrun.kernels import amx_linear, cpu_attention, lora_expand, rotate_quant
+from batchrun.kernels import amx_linear, cpu_attention, lora_expand, native_linear
 
-KERNELS = {"cpu_attention": cpu_attention._kernel, "rotate_quant": rotate_quant._kernel,
+KERNELS = {"cpu_attention": cpu_attention._kernel, "native_linear": native_linear._kernel,
            "lora_expand": lora_expand._kernel, "amx_linear": amx_linear._kernel}
 COMPILER = os.environ.get("CXX", "c++")   # as torch's cpp_extension picks it
 needs_compiler = pytest.mark.skipif(shutil.which(COMPILER) is None, reason="no C++ compiler here")
@@ -28,13 +28,14 @@ TARGETS = {"avx2": ("haswell", "AVX2"), "avx512": ("skylake-avx512", "AVX512"), 
 
 
 @needs_compiler
-def test_attention_kernel_compiles_for_other_cpus():
-    """cpu_attention.cpp for an AVX2 CPU, an AVX-512 one without BF16, and one with AMX (g++ -fsyntax-only with
-    each -march and the CPU_CAPABILITY macro cpp_build.py would pass), whatever this machine is."""
+@pytest.mark.parametrize("source", ["cpu_attention.cpp", "native_linear.cpp"])
+def test_kernel_compiles_for_other_cpus(source):
+    """The kernels with AVX-512 code paths, for an AVX2 CPU, an AVX-512 one without BF16, and one with AMX (g++
+    -fsyntax-only with each -march and the CPU_CAPABILITY macro cpp_build.py would pass), whatever this machine is."""
     import sysconfig
 
     from torch.utils import cpp_extension
-    source = Path(cpu_attention.__file__).with_name("cpu_attention.cpp")
+    source = Path(cpu_attention.__file__).with_name(source)
     includes = [f"-I{path}" for path in [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]]
     runs = {name: subprocess.Popen(
         [COMPILER, "-fsyntax-only", "-std=c++20", f"-march={march}", "-fopenmp",

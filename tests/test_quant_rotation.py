@@ -45,8 +45,10 @@ def test_the_rotation_spreads_an_outlier_channel_for_w8a8():
 
     def error(rotate_input: bool, fused: bool = True) -> float:
         q = quantize.int8_per_channel(w, "int8", rotate_input)
-        layer = QuantizedLinear(torch.nn.Linear(1, 1), make_kernel([q]), 128, "int8", q.nbytes, q.rotation)
+        owner = torch.nn.Linear(1, 1)   # the layer's weights are registered for as long as it lives
+        layer = QuantizedLinear(owner, make_kernel([q]), 128, "int8", q.nbytes, q.rotation)
         layer.fused_rotation &= fused   # False: the dense rotation and fake_quantize_rows (no C++ kernel)
+        layer.native &= fused
         return float((layer(x, None) - exact).norm() / exact.norm())
     plain, rotated, dense = error(False), error(True), error(True, fused=False)
     assert rotated < plain / 3, (plain, rotated)

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchrun.kernels import native_linear
 from batchrun.models import cpu_gemm, fused, graph, row_tiles
 
 
@@ -14,6 +15,7 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
     handle: int | None = None
+    native = False      # whether the packed weight is a oneDNN tensor that native_linear's C++ operator finds
     row_tile: int = 0   # > 0: deterministic mode, every product on tiles of this many rows (row_tiles.py)
     quantized = None   # a batchrun.quant.linear.QuantizedLinear where the loader quantized this layer
 
@@ -27,6 +29,7 @@ class Linear(nn.Linear):
         if self.packed is None:
             return False
         self.handle = graph.register(self, self.packed)
+        self.native = isinstance(self.packed, torch.Tensor) and native_linear.register(self, self.handle, self.packed)
         if not keep_dense:
             self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
         return True
@@ -42,6 +45,8 @@ class Linear(nn.Linear):
         rows = x.reshape(-1, self.in_features)
         if not packed:
             out = row_tiles.tiled(lambda tile: F.linear(tile, self.weight, self.bias), rows, self.row_tile)
+        elif self.native and not self.row_tile:
+            out = torch.ops.batchrun_native.packed_linear(rows, self.handle, self.out_features, self.bias)
         elif torch.compiler.is_compiling():
             out = torch.ops.batchrun.packed_linear(rows, self.handle, self.out_features, self.bias, self.row_tile)
         else:

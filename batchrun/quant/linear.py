@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from batchrun.kernels import amx_linear, rotate_quant
+from batchrun.kernels import amx_linear, native_linear, rotate_quant
 from batchrun.models import graph
 from batchrun.quant import cpu_kernels
 from batchrun.quant.quantize import fake_quantize_rows
@@ -66,12 +66,17 @@ class QuantizedLinear:
         self.handle = graph.register(owner, kernel)
         self.rotation, self.rotation_matrix = rotation, None if rotation is None else hadamard(rotation).to(device)
         self.w8a8 = isinstance(kernel, cpu_kernels.W8A8)   # the CPU's: the activations' quantization is ours
-        # rotated W8A8 on the CPU: rotation and quantization in one pass (rotate_quant.cpp) where it builds
+        # rotated W8A8 on the CPU: rotation and quantization in one pass (rotate_quant.h) where it builds
         self.fused_rotation = self.w8a8 and rotation is not None and rotate_quant.load() is not None
+        # ... and all of it in one C++ operator where the product is oneDNN's (native_linear.cpp)
+        self.native = (self.fused_rotation and isinstance(kernel, cpu_kernels.Int8OneDNN)
+                       and native_linear.register(owner, self.handle, kernel.packed, kernel.scale, kernel.zero_points))
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows, dtype = x.reshape(-1, x.shape[-1]), x.dtype
-        if self.fused_rotation:
+        if self.native:
+            out = torch.ops.batchrun_native.rotated_w8a8(rows, self.handle, self.out_features, self.rotation)
+        elif self.fused_rotation:
             # One opaque op: rotation, quantization (straight into the kernel's form of the codes), product, row
             # scale. As two ops (the quantization's, the product's) with the sign flip and row scale between them,
             # they took 147 us a product beside oneDNN's, against 109 us, in one torch-profiler run each (0.3B

@@ -74,7 +74,7 @@ class LoraProjection(nn.Module):
         self.fused = cpu_gemm.pack(weight if a is None else torch.cat([weight, a.to(weight.dtype)]))
         if base.packed is not None:   # the fused matrix holds W from now on: drop the base's packed copy
             graph.release(base.handle)
-            base.packed = base.handle = None
+            base.packed, base.handle, base.native = None, None, False
         if base.bias is not None:
             self.fused_bias = torch.cat([base.bias, base.bias.new_zeros(columns)])
         return True

@@ -4,8 +4,10 @@
 // took K x block multiply-adds), then symmetric per-row int8 as fake_quantize_rows does it: scale = max|x H| / 127
 // (at least 1e-12 / 127), q = round-half-even((x H) / scale) clamped to +-127. The codes come out signed, or with
 // the sign bit flipped (q + 128 as uint8) for kernels that take unsigned activations with zero point 128 (oneDNN's,
-// cpu_kernels.Int8OneDNN): flipped here, a separate pass over the codes cost 2 % of an int8 decode step. Built by
-// rotate_quant.py.
+// cpu_kernels.Int8OneDNN): flipped here, a separate pass over the codes cost 2 % of an int8 decode step. Included by
+// native_linear.cpp, which binds them and runs them inside its rotated W8A8 op.
+#pragma once
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -14,10 +16,8 @@
 
 #include "cpu_vec.h"
 
-namespace {
+namespace batchrun {
 
-using batchrun::kLanes;
-using batchrun::Vec;
 
 // One block of b floats in place: the butterflies (a, c) -> (a + c, a - c) at distance h = 1, 2, .., b / 2.
 inline void walsh_hadamard(float* y, int64_t b) {
@@ -150,7 +150,7 @@ void rotate_rows(const T* x, uint8_t* q, float* scale, int64_t rows, int64_t k, 
 }
 
 // x [rows, K] -> (codes [rows, K]: int8, or uint8 = int8 + 128 where flip_sign; float32 scale [rows, 1]).
-std::tuple<at::Tensor, at::Tensor> rotate_quantize(const at::Tensor& x, int64_t block, bool flip_sign) {
+inline std::tuple<at::Tensor, at::Tensor> rotate_quantize(const at::Tensor& x, int64_t block, bool flip_sign) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "rotate_quantize: x must be a contiguous [rows, K] tensor");
   TORCH_CHECK(block >= 1 && (block & (block - 1)) == 0 && x.size(1) % block == 0,
               "rotate_quantize: block ", block, " must be a power of two dividing K = ", x.size(1));
@@ -194,7 +194,7 @@ void scale_rows(T* out, const float* scale, int64_t rows, int64_t n) {
   });
 }
 
-at::Tensor scale_rows_(at::Tensor out, const at::Tensor& scale) {
+inline at::Tensor scale_rows_(at::Tensor out, const at::Tensor& scale) {
   TORCH_CHECK(out.dim() == 2 && out.is_contiguous(), "scale_rows_: out must be a contiguous [rows, N] tensor");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == out.size(0),
               "scale_rows_: scale must be float32 [rows, 1]");
@@ -210,10 +210,4 @@ at::Tensor scale_rows_(at::Tensor out, const at::Tensor& scale) {
   return out;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rotate_quantize", &rotate_quantize,
-        "rows rotated by block Hadamard matrices and quantized to int8 codes (or uint8 codes + 128)");
-  m.def("scale_rows_", &scale_rows_, "each row times its float32 scale, in place");
-}
+}  // namespace batchrun
