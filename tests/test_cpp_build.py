@@ -28,8 +28,9 @@ TARGETS = {"avx2": ("haswell", "AVX2"), "avx512": ("skylake-avx512", "AVX512"), 
 
 
 @needs_compiler
-@pytest.mark.parametrize("source", ["cpu_attention.cpp", "native_linear.cpp"])
-def test_kernel_compiles_for_other_cpus(source):
+@pytest.mark.parametrize("source, targets", [("cpu_attention.cpp", ("avx2", "avx512", "amx")),
+                                             ("native_linear.cpp", ("avx2", "avx512"))])   # no AMX code in it
+def test_kernel_compiles_for_other_cpus(source, targets):
     """The kernels with AVX-512 code paths, for an AVX2 CPU, an AVX-512 one without BF16, and one with AMX (g++
     -fsyntax-only with each -march and the CPU_CAPABILITY macro cpp_build.py would pass), whatever this machine is."""
     import sysconfig
@@ -41,6 +42,6 @@ def test_kernel_compiles_for_other_cpus(source):
         [COMPILER, "-fsyntax-only", "-std=c++20", f"-march={march}", "-fopenmp",
          f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}", "-DTORCH_EXTENSION_NAME=check",
          *includes, str(source)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for name, (march, capability) in TARGETS.items()}
+        for name, (march, capability) in TARGETS.items() if name in targets}
     failed = {name: run.communicate()[0][-2000:] for name, run in runs.items() if run.wait() != 0}
     assert not failed, failed
