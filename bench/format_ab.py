@@ -3,6 +3,8 @@ by round, so that each round's ratio to bfloat16 is taken over the same minute o
 
     python bench/format_ab.py [--model llama-0.3b] [--formats bfloat16,int8,int8+head] [--rounds 10] [--compile]
 
+Formats as bench/quantized.py names them (`W:rotation`, `W+head`, `W+kv-int8` too).
+
 bench/quantized.py runs each format in its own process, one after the other, and reports memory and quality; on a
 shared machine whose speed swings for minutes at a time, its int8 / bfloat16 ratio moved 1.43-1.66x between two
 runs of the same code. Here: the same workload (--requests prompts of 16 tokens, greedy, --max-tokens each,
@@ -21,15 +23,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import quantized  # noqa: E402  (bench/quantized.py: the 0.3B model and the format names)
-
-
-def load(model: str, fmt: str, requests: int):
-    from batchrun import LLM
-    weights, head, _ = fmt.partition("+head")
-    dtype = "float32" if weights == "float32" else "bfloat16"
-    return LLM(model=model, dtype=dtype, quantization="none" if weights in ("float32", "bfloat16") else weights,
-               quantization_lm_head=bool(head), kv_cache_memory="192MiB", max_num_seqs=requests, max_model_len=1024)
+import quantized  # noqa: E402  (bench/quantized.py: the 0.3B model and the formats' engine options)
 
 
 def main() -> None:
@@ -44,13 +38,13 @@ def main() -> None:
     os.environ["BATCHRUN_COMPILE"] = "1" if args.compile else "ops"
     import torch
 
-    from batchrun import SamplingParams
+    from batchrun import LLM, SamplingParams
     from batchrun.cpuinfo import cpu_flags, cpu_model
     flags = sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx", "avx_vnni", "avx2")))
     print(f"CPU: {cpu_model()}; flags: {' '.join(flags)}; cores {os.cpu_count()}", flush=True)
     model = quantized.llama_03b() if args.model == "llama-0.3b" else args.model
     formats = args.formats.split(",")
-    engines = {fmt: load(model, fmt, args.requests) for fmt in formats}
+    engines = {fmt: LLM(model=model, **quantized.engine_options(fmt, args.requests)) for fmt in formats}
     torch.manual_seed(0)
     prompts = [torch.randint(10, 30000, (16,)).tolist() for _ in range(args.requests)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)

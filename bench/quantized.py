@@ -63,14 +63,7 @@ def child(model: str, fmt: str, requests: int, max_tokens: int, repeats: int) ->
         building["peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         return model
     engine_module.build_model = measured_build
-    weights, _, kv = fmt.partition("+kv-")
-    weights, head, _ = weights.partition("+head")
-    weights, _, rotation = weights.partition(":")
-    dtype = "float32" if weights == "float32" else "bfloat16"
-    quantization = "none" if weights in ("float32", "bfloat16") else weights
-    llm = LLM(model=model, dtype=dtype, quantization=quantization, quantization_rotation=rotation or "auto",
-              quantization_lm_head=bool(head), kv_cache_dtype=kv or "auto", kv_cache_memory="192MiB",
-              max_num_seqs=requests, max_model_len=1024)
+    llm = LLM(model=model, **engine_options(fmt, requests))
     load_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if llm.tokenizer is not None:   # SmolLM2: the sample articles' first 16 tokens
         import pyarrow.parquet as pq
@@ -98,6 +91,17 @@ def child(model: str, fmt: str, requests: int, max_tokens: int, repeats: int) ->
                 tok_s=round(tokens / wall, 1), tok_per_cpu_s=round(tokens / cpu, 1),
                 tok_s_each=[round(tokens / call[0], 1) for call in calls],
                 tokens=[o.token_ids for o in outputs], logprobs=[o.logprobs for o in outputs])
+
+
+def engine_options(fmt: str, requests: int) -> dict:
+    """LLM(...)'s options for a format name (the module docstring's Formats)."""
+    weights, _, kv = fmt.partition("+kv-")
+    weights, head, _ = weights.partition("+head")
+    weights, _, rotation = weights.partition(":")
+    return dict(dtype="float32" if weights == "float32" else "bfloat16",
+                quantization="none" if weights in ("float32", "bfloat16") else weights,
+                quantization_rotation=rotation or "auto", quantization_lm_head=bool(head),
+                kv_cache_dtype=kv or "auto", kv_cache_memory="192MiB", max_num_seqs=requests, max_model_len=1024)
 
 
 def weight_bytes(model) -> int:
