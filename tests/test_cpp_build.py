@@ -31,8 +31,9 @@ TARGETS = {"avx2": ("haswell", "AVX2"), "avx512": ("skylake-avx512", "AVX512"), 
 @pytest.mark.parametrize("source, targets", [("cpu_attention.cpp", ("avx2", "avx512", "amx")),
                                              ("native_linear.cpp", ("avx2", "avx512"))])   # no AMX code in it
 def test_kernel_compiles_for_other_cpus(source, targets):
-    """The kernels with AVX-512 code paths, for an AVX2 CPU, an AVX-512 one without BF16, and one with AMX (g++
-    -fsyntax-only with each -march and the CPU_CAPABILITY macro cpp_build.py would pass), whatever this machine is."""
+    """The kernels with AVX-512 code paths, for each of their targets: an AVX2 CPU, an AVX-512 one without BF16 and,
+    for the one with AMX code, an AMX CPU (g++ -fsyntax-only with each -march and the CPU_CAPABILITY macro
+    cpp_build.py would pass), whatever this machine is."""
     import sysconfig
 
     from torch.utils import cpp_extension
