@@ -3,6 +3,7 @@ measures it, for the README's table.
 
     python bench/quant_quality.py [--model smollm2-135m] [--requests 32] [--max-tokens 64]
                                   [--configs float32,int8,int8-w8a16,fp8,int4,kv-int8,kv-fp8] [--json out.json]
+                                  [--compute bfloat16|float32]
 
 The first --requests sample articles (sample_data/prompts.parquet, chat template off: the raw text) run greedy for
 --max-tokens tokens (EOS ignored) in deterministic mode, once on the reference (bfloat16 compute, float weights,
@@ -12,6 +13,10 @@ format of engine.quantization on bfloat16 compute (int8 = W8A8, int8-w8a16, fp8 
 or `kv-int8` / `kv-fp8` (float weights, an 8-bit KV cache). Per config: the share of greedy outputs identical to the
 reference over all --max-tokens, the first difference, and teacher-forced figures no early divergence cuts short:
 the articles' log-likelihood per token on each side, its drop, and the mean |d logprob| position by position.
+
+--compute float32 runs the reference and every weight or KV config at float32 compute (what `dtype: auto` picks
+on a CPU without native bfloat16): the figures are then the format's own error, without bfloat16's rounding,
+which alone changes most 64-token greedy outputs. Its spread config is then `bfloat16` (bfloat16 compute).
 """
 from __future__ import annotations
 
@@ -28,21 +33,23 @@ SAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 CONFIGS = ("float32", "int8", "int8-w8a16", "fp8", "int4", "kv-int8", "kv-fp8")
 
 
-def engine_options(config: str) -> dict:
-    if config in ("reference", "float32"):
-        return {"dtype": "bfloat16" if config == "reference" else "float32"}
+def engine_options(config: str, compute: str = "bfloat16") -> dict:
+    if config == "reference":
+        return {"dtype": compute}
+    if config in ("float32", "bfloat16"):   # the spread between two float precisions
+        return {"dtype": config}
     if config.startswith("kv-"):
-        return {"dtype": "bfloat16", "kv_cache_dtype": config[3:]}
+        return {"dtype": compute, "kv_cache_dtype": config[3:]}
     config, head, _ = config.partition("+head")   # int8+head -> engine.quantization_lm_head
     quantization, _, rotation = config.partition(":")   # int8:none -> engine.quantization_rotation none
-    return {"dtype": "bfloat16", "quantization": quantization, "quantization_rotation": rotation or "auto",
+    return {"dtype": compute, "quantization": quantization, "quantization_rotation": rotation or "auto",
             "quantization_lm_head": bool(head)}
 
 
-def run(model: str, config: str, prompts: list[str], max_tokens: int) -> list:
+def run(model: str, config: str, prompts: list[str], max_tokens: int, compute: str) -> list:
     from batchrun import LLM, SamplingParams
     llm = LLM(model=model, deterministic=True, kv_cache_memory="256MiB", max_model_len=2048,
-              **engine_options(config))
+              **engine_options(config, compute))
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=True,
                             prompt_logprobs=True)
     outputs = llm.generate([llm.encode(p) for p in prompts], params, use_tqdm=False)
@@ -58,6 +65,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--json")
+    ap.add_argument("--compute", choices=("bfloat16", "float32"), default="bfloat16",
+                    help="compute dtype of the reference and of every weight / KV config")
     args = ap.parse_args()
     import pyarrow.parquet as pq
 
@@ -67,15 +76,16 @@ def main() -> None:
     print(f"CPU: {cpu_model()}; flags: {' '.join(flags)}; cores {os.cpu_count()}", flush=True)
     prompts = pq.read_table(SAMPLE).column("prompt").to_pylist()[:args.requests]
     start = time.perf_counter()
-    reference = run(args.model, "reference", prompts, args.max_tokens)
+    reference = run(args.model, "reference", prompts, args.max_tokens, args.compute)
     scored = sum(len(o.prompt_logprobs) - 1 for o in reference)
-    print(f"reference: bfloat16, float weights, 16-bit KV; {len(prompts)} articles, {scored} scored prompt tokens, "
+    print(f"reference: {args.compute}, float weights, 16-bit KV; {len(prompts)} articles, {scored} scored prompt tokens, "
           f"{args.max_tokens} greedy tokens each ({time.perf_counter() - start:.0f} s)", flush=True)
     print("| config | greedy identical | first difference | log-likelihood / token (ref) | drop | mean abs d logprob |")
     print("|---|---|---|---|---|---|")
     rows = []
     for config in args.configs.split(","):
-        report = compare(reference, run(args.model, config, prompts, args.max_tokens), "", "bfloat16", config)
+        outputs = run(args.model, config, prompts, args.max_tokens, args.compute)
+        report = compare(reference, outputs, "", args.compute, config)
         first = "-" if report.mean_first_diff is None else f"{report.mean_first_diff:.1f}"
         print(f"| {config} | {report.identical_fraction:.0%} | {first} | {report.prompt_loglik:.4f} "
               f"({report.reference_prompt_loglik:.4f}) | {report.loglik_drop:+.4f} | "
@@ -84,7 +94,7 @@ def main() -> None:
     print(f"load average {os.getloadavg()[0]:.1f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"cpu": cpu_model(), "flags": flags, "model": args.model, "rows": rows}, f, indent=2)
+            json.dump({"cpu": cpu_model(), "flags": flags, "model": args.model, "compute": args.compute, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":
