@@ -81,6 +81,23 @@ def test_cpu_kernels_equal_the_dequantized_product(name, dtype):
     torch.testing.assert_close(out.float(), reference, atol=tol * reference.abs().max().item(), rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a16_widened_product_above_dequant_rows(dtype):
+    """From DEQUANT_ROWS rows (and at float32, where aten's int8pack is not vectorised) W8A16 widens its weight and
+    runs a dense product: the same result as the dequantized reference, on either side of the threshold."""
+    torch.manual_seed(0)
+    w = torch.randn(192, 256) / 16
+    q = quantize.int8_per_channel(w, "none")
+    kernel = cpu_kernels.Int8WeightOnly(q)
+    for rows in (cpu_kernels.DEQUANT_ROWS - 1, cpu_kernels.DEQUANT_ROWS + 8):
+        x = torch.randn(rows, 256).to(dtype)
+        reference = x.float() @ q.dequantize().t()
+        out = kernel(x)
+        assert out.dtype == dtype and out.shape == (rows, 192)
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(out.float(), reference, atol=tol * reference.abs().max().item(), rtol=0)
+
+
 def test_onednn_w8a8_runs_a_fast_int8_path_where_the_cpu_has_vnni(capfd):
     """Signed activations sent oneDNN's int8 matmul to its reference implementation on an AMD EPYC with
     AVX512-VNNI (640 ms for SmolLM2's 576 -> 1,536 product at 32 rows); unsigned ones with zero point 128 run its

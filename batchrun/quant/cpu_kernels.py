@@ -21,7 +21,8 @@ eagerly) against packed bf16's 22, one thread; _int_mm was faster on SmolLM2's s
 slower than oneDNN on the 0.3B shapes, not re-measured), its activations unsigned, where it runs a fast path
 (onednn_int8_runs_fast; on an AMD EPYC without AMX, one thread, 32 rows: 0.70 / 0.66 ms for the 0.3B's
 1,024 -> 4,096 / 4,096 -> 1,024 against packed bf16's 1.62 / 1.28 and _int_mm's 1.09 / 2.00), else _int_mm;
-W8A16 -> _weight_int8pack_mm (the only int8-weight, 16-bit-activation kernel shipped; slower than bf16), fp8 ->
+W8A16 -> _weight_int8pack_mm (the only int8-weight, 16-bit-activation kernel shipped; slower than bf16) at decode
+sizes below DEQUANT_ROWS, else its weight widened and a dense product (Int8WeightOnly), fp8 ->
 the widening emulation (torch._scaled_mm on the CPU is slower still at decode), int4 -> the int4pack kernel (1.6x
 bf16 on SmolLM2's decode, 0.84x on the 0.3B shape). No shipped kernel beats packed bf16 at prefill sizes.
 """
@@ -40,6 +41,7 @@ from batchrun.quant.weights import QuantizedWeight, unpack_int4
 
 BATCH_HINT = 32   # the row count qlinear_prepack tunes for (decode steps)
 INT4_INNER_K_TILES = 8
+DEQUANT_ROWS = 128   # W8A16 products of at least this many 16-bit rows widen the weight for a dense product
 
 
 def _by_dtype(t: torch.Tensor) -> dict[torch.dtype, torch.Tensor]:
@@ -51,12 +53,21 @@ def _gather(x: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
 
 
 class Int8WeightOnly:
-    """W8A16: aten._weight_int8pack_mm (the scales must be in the activations' dtype)."""
+    """W8A16: the weight widened to the activations' dtype (one pass, a temporary) and a dense product, for float32
+    rows and from DEQUANT_ROWS 16-bit rows on; below that aten._weight_int8pack_mm (the scales must be in the
+    activations' dtype). Sixteen distinct 0.3B Llama layers' four products each (weights from memory), bfloat16,
+    two threads, AMD EPYC with avx512_bf16: 128 rows 510-523 ms by int8pack against 237-240 widened, 256 rows
+    991-1,056 against 421-426; at 32 rows 137-236 against 113-120, but the engine's decode (32 rows) ran at 0.50x
+    bf16 either way in one run, so decode keeps int8pack. float32, where aten's int8pack is not vectorised (one
+    layer's four products): 32 rows 563 ms against 27 widened (12.8 for float32 weights), 512 rows 4.1 s against
+    0.11."""
 
     def __init__(self, w: QuantizedWeight):
         self.data, self.scales = w.data.contiguous(), _by_dtype(w.scale)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 or x.shape[0] >= DEQUANT_ROWS:
+            return F.linear(x, self.data.to(x.dtype).mul_(self.scales[x.dtype][:, None]))
         return torch.ops.aten._weight_int8pack_mm(x, self.data, self.scales[x.dtype])
 
 

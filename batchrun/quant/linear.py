@@ -4,7 +4,7 @@ the packed float weights are, graph.py).
 
 CPU choice (measured, cpu_kernels.py): int8 W8A8 -> batchrun's AMX kernel where the CPU has AMX, else oneDNN
 qlinear (aten._int_mm where this torch lacks it),
-int8 W8A16 -> aten._weight_int8pack_mm, fp8 -> emulated (e4m3 widened at each call), int4 -> aten's int4pack.
+int8 W8A16 -> aten._weight_int8pack_mm (the weight widened and a dense product from 128 rows and at float32), fp8 -> emulated (e4m3 widened at each call), int4 -> aten's int4pack.
 """
 from __future__ import annotations
 
