@@ -4,7 +4,9 @@ the packed float weights are, graph.py).
 
 CPU choice (measured, cpu_kernels.py): int8 W8A8 -> batchrun's AMX kernel where the CPU has AMX, else oneDNN
 qlinear (aten._int_mm where this torch lacks it),
-int8 W8A16 -> aten._weight_int8pack_mm (the weight widened and a dense product from 128 rows and at float32), fp8 -> emulated (e4m3 widened at each call), int4 -> aten's int4pack.
+int8 W8A16 -> aten._weight_int8pack_mm (the weight widened for a dense product from 128 rows and at float32),
+fp8 -> emulated (e4m3 widened at each call), int4 -> aten's int4pack (at float32 compute, the nibbles widened for a
+dense product).
 """
 from __future__ import annotations
 
@@ -22,7 +24,10 @@ from batchrun.quant.weights import QuantizedWeight
 Kernel = Callable[[torch.Tensor], torch.Tensor]
 
 
-def cpu_kernel_name(weight: QuantizedWeight) -> str:
+def cpu_kernel_name(weight: QuantizedWeight, dtype: torch.dtype | None = None) -> str:
+    """dtype: the compute dtype, where known (int4 at float32 widens its nibbles: aten's int4pack is scalar there)."""
+    if weight.kind == "int4" and dtype == torch.float32:
+        return "int4-widened"
     if weight.kind == "int8":
         if weight.activations == "none":
             return "w8a16"
@@ -44,13 +49,14 @@ class Concatenated:
         return torch.cat([kernel(x) for kernel in self.kernels], dim=1)
 
 
-def make_kernel(parts: list[QuantizedWeight]) -> Kernel:
-    """The kernel for one layer from its canonical weight(s) (one per distinct input order)."""
+def make_kernel(parts: list[QuantizedWeight], dtype: torch.dtype | None = None) -> Kernel:
+    """The kernel for one layer from its canonical weight(s) (one per distinct input order), for activations of
+    the compute dtype `dtype` (None: any)."""
     def one(weight: QuantizedWeight) -> Kernel:
         if weight.data.device.type == "cuda":
             from batchrun.quant import cuda_kernels
             return cuda_kernels.make(weight)
-        return cpu_kernels.KERNELS[cpu_kernel_name(weight)](weight)
+        return cpu_kernels.KERNELS[cpu_kernel_name(weight, dtype)](weight)
     kernels = [one(part) for part in parts]
     return kernels[0] if len(kernels) == 1 else Concatenated(kernels)
 

@@ -93,7 +93,7 @@ def plan_and_build(model: nn.Module, scheme: Scheme | None, device: torch.device
         parts = [checkpoints.read_module(scheme, tensors, p).to(device) for p in sources]
         layer = layers[prefix]
         layer.weight = nn.Parameter(torch.empty(0, dtype=dtype, device=device), requires_grad=False)
-        layer.quantized = QuantizedLinear(layer, make_kernel(_group_by_input_order(parts, prefix)),
+        layer.quantized = QuantizedLinear(layer, make_kernel(_group_by_input_order(parts, prefix), dtype),
                                           layer.out_features, scheme.description, sum(p.nbytes for p in parts),
                                           parts[0].rotation, device)
         del parts
