@@ -13,6 +13,8 @@ Candidates per format (the weight [N, K], activations bfloat16 unless said):
   fp8-scaledmm   torch._scaled_mm with e4m3 weight and per-token e4m3 activations
   fp8-dequant    e4m3 weight dequantized to bf16 at every call, then the packed-free F.linear
   int4           aten._weight_int4pack_mm_for_cpu (group 128, 64 where 128 does not divide K)
+  int4-widened   the nibbles widened to the activations' dtype at every call, then F.linear (batchrun's int4 path
+                 at float32 compute)
 """
 from __future__ import annotations
 
