@@ -144,6 +144,21 @@ def test_int4_at_float32_compute_widens_its_nibbles():
     assert cpu_kernel_name(q4, torch.bfloat16) == cpu_kernel_name(q4) == "int4"
 
 
+@pytest.mark.parametrize("name", ["w8a16", "int4-widened"])
+def test_a_widened_weight_too_large_for_one_temporary_is_widened_in_row_chunks(name, monkeypatch):
+    """A layer whose float32 weight exceeds WIDEN_BYTES is widened and multiplied a chunk of output rows at a time
+    (a 70B model's MLP projection would be a 1 GB temporary): the same product as in one piece."""
+    torch.manual_seed(0)
+    w, x = torch.randn(200, 256) / 16, torch.randn(40, 256)
+    q = quantize.int8_per_channel(w, "none") if name == "w8a16" else quantize.int4_grouped(w)
+    kernel = cpu_kernels.KERNELS[name](q)
+    whole = kernel(x)
+    monkeypatch.setattr(cpu_kernels, "WIDEN_BYTES", 64 * 256 * 4)   # 64 rows a chunk: 4 chunks, the last short
+    chunked = kernel(x)
+    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=0)
+    torch.testing.assert_close(chunked, x @ q.dequantize().t(), atol=1e-4, rtol=0)
+
+
 def test_cuda_dispatch_passes_the_canonical_weights_to_quant_gemm(monkeypatch):
     """The CUDA path's calls, run on CPU tensors against a stand-in for batchrun/kernels/quant_gemm.py that
     implements its documented interface (dequant = w * scale; int4: low nibble = even k, (q - zero) * scale)."""

@@ -43,10 +43,24 @@ from batchrun.quant.weights import QuantizedWeight, unpack_int4
 BATCH_HINT = 32   # the row count qlinear_prepack tunes for (decode steps)
 INT4_INNER_K_TILES = 8
 DEQUANT_ROWS = 128   # W8A16 products of at least this many 16-bit rows widen the weight for a dense product
+WIDEN_BYTES = 64 << 20   # the most a widened weight's temporary holds: larger layers are widened in row chunks
 
 
 def _by_dtype(t: torch.Tensor) -> dict[torch.dtype, torch.Tensor]:
     return {dtype: t.to(dtype) for dtype in (torch.float32, torch.bfloat16, torch.float16)}
+
+
+def _widened_product(x: torch.Tensor, out_features: int, widen) -> torch.Tensor:
+    """x @ W^T with W widened to x's dtype by widen(lo, hi) (its output rows lo..hi), a chunk of rows at a time so
+    that the temporary stays within WIDEN_BYTES (a 70B model's MLP projection is about 1 GB at float32)."""
+    chunk = max(1, WIDEN_BYTES // (x.shape[1] * x.element_size()))
+    if chunk >= out_features:
+        return F.linear(x, widen(0, out_features))
+    out = x.new_empty(x.shape[0], out_features)
+    for lo in range(0, out_features, chunk):
+        hi = min(out_features, lo + chunk)
+        out[:, lo:hi] = F.linear(x, widen(lo, hi))
+    return out
 
 
 def _gather(x: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
@@ -54,8 +68,8 @@ def _gather(x: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
 
 
 class Int8WeightOnly:
-    """W8A16: the weight widened to the activations' dtype (one pass, a temporary) and a dense product, for float32
-    rows and from DEQUANT_ROWS 16-bit rows on; below that aten._weight_int8pack_mm (the scales must be in the
+    """W8A16: the weight widened to the activations' dtype (one pass into a temporary of at most WIDEN_BYTES) and a
+    dense product, for float32 rows and from DEQUANT_ROWS 16-bit rows on; below that aten._weight_int8pack_mm (the scales must be in the
     activations' dtype). Sixteen distinct 0.3B Llama layers' four products each (weights from memory), bfloat16,
     two threads, AMD EPYC with avx512_bf16: 128 rows 510-523 ms by int8pack against 237-240 widened, 256 rows
     991-1,056 against 421-426; at 32 rows 137-236 against 113-120, but the engine's decode (32 rows) ran at 0.50x
@@ -68,7 +82,9 @@ class Int8WeightOnly:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 or x.shape[0] >= DEQUANT_ROWS:
-            return F.linear(x, self.data.to(x.dtype).mul_(self.scales[x.dtype][:, None]))
+            scale = self.scales[x.dtype][:, None]
+            return _widened_product(x, self.data.shape[0],
+                                    lambda lo, hi: self.data[lo:hi].to(x.dtype).mul_(scale[lo:hi]))
         return torch.ops.aten._weight_int8pack_mm(x, self.data, self.scales[x.dtype])
 
 
@@ -224,7 +240,7 @@ class Int4Packed:
 
 class Int4Widened:
     """W4A16 at float32 compute: the nibbles widened to float32 for each call (one unpack, then scale and offset in
-    one pass) and a dense product; exact against the dequantized weight. aten's int4pack runs float32 rows on a
+    one pass, WIDEN_BYTES at a time) and a dense product; exact against the dequantized weight. aten's int4pack runs float32 rows on a
     path that is not vectorised: one 0.3B Llama layer's four products at 32 rows 1,006 ms against 56 widened (12.8
     for float32 weights), at 512 rows 7.5 s against 0.14 (AMD EPYC, two threads). It holds the canonical nibbles
     only (no packed copy)."""
@@ -235,10 +251,12 @@ class Int4Widened:
         self.offset = (-w.zeros * w.scale).contiguous()[..., None]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = self.data.shape[0]
-        codes = torch.stack((self.data & 15, self.data >> 4), dim=-1).view(rows, -1, self.group_size).to(x.dtype)
-        weight = torch.addcmul(self.offset.to(x.dtype), codes, self.scale.to(x.dtype)).view(rows, -1)
-        return F.linear(_gather(x, self.perm), weight)
+        return _widened_product(_gather(x, self.perm), self.data.shape[0], lambda lo, hi: self._widen(lo, hi, x.dtype))
+
+    def _widen(self, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+        data = self.data[lo:hi]
+        codes = torch.stack((data & 15, data >> 4), dim=-1).view(hi - lo, -1, self.group_size).to(dtype)
+        return torch.addcmul(self.offset[lo:hi].to(dtype), codes, self.scale[lo:hi].to(dtype)).view(hi - lo, -1)
 
 
 KERNELS = {"w8a16": Int8WeightOnly, "w8a8-amx": Int8Amx, "w8a8-onednn": Int8OneDNN, "w8a8-intmm": Int8IntMM,
