@@ -78,8 +78,8 @@ def main() -> None:
     start = time.perf_counter()
     reference = run(args.model, "reference", prompts, args.max_tokens, args.compute)
     scored = sum(len(o.prompt_logprobs) - 1 for o in reference)
-    print(f"reference: {args.compute}, float weights, 16-bit KV; {len(prompts)} articles, {scored} scored prompt tokens, "
-          f"{args.max_tokens} greedy tokens each ({time.perf_counter() - start:.0f} s)", flush=True)
+    print(f"reference: {args.compute}, float weights, 16-bit KV; {len(prompts)} articles, {scored} scored prompt "
+          f"tokens, {args.max_tokens} greedy tokens each ({time.perf_counter() - start:.0f} s)", flush=True)
     print("| config | greedy identical | first difference | log-likelihood / token (ref) | drop | mean abs d logprob |")
     print("|---|---|---|---|---|---|")
     rows = []
@@ -94,7 +94,8 @@ def main() -> None:
     print(f"load average {os.getloadavg()[0]:.1f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"cpu": cpu_model(), "flags": flags, "model": args.model, "compute": args.compute, "rows": rows}, f, indent=2)
+            json.dump({"cpu": cpu_model(), "flags": flags, "model": args.model, "compute": args.compute,
+                       "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -144,13 +144,14 @@ def test_int4_at_float32_compute_widens_its_nibbles():
     assert cpu_kernel_name(q4, torch.bfloat16) == cpu_kernel_name(q4) == "int4"
 
 
-@pytest.mark.parametrize("name", ["w8a16", "int4-widened"])
+@pytest.mark.parametrize("name", ["w8a16", "int4-widened", "fp8-dequant"])
 def test_a_widened_weight_too_large_for_one_temporary_is_widened_in_row_chunks(name, monkeypatch):
     """A layer whose float32 weight exceeds WIDEN_BYTES is widened and multiplied a chunk of output rows at a time
     (a 70B model's MLP projection would be a 1 GB temporary): the same product as in one piece."""
     torch.manual_seed(0)
     w, x = torch.randn(200, 256) / 16, torch.randn(40, 256)
-    q = quantize.int8_per_channel(w, "none") if name == "w8a16" else quantize.int4_grouped(w)
+    q = {"w8a16": lambda: quantize.int8_per_channel(w, "none"), "int4-widened": lambda: quantize.int4_grouped(w),
+         "fp8-dequant": lambda: quantize.fp8_per_channel(w, "none")}[name]()
     kernel = cpu_kernels.KERNELS[name](q)
     whole = kernel(x)
     monkeypatch.setattr(cpu_kernels, "WIDEN_BYTES", 64 * 256 * 4)   # 64 rows a chunk: 4 chunks, the last short

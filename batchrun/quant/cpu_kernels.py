@@ -69,11 +69,11 @@ def _gather(x: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
 
 class Int8WeightOnly:
     """W8A16: the weight widened to the activations' dtype (one pass into a temporary of at most WIDEN_BYTES) and a
-    dense product, for float32 rows and from DEQUANT_ROWS 16-bit rows on; below that aten._weight_int8pack_mm (the scales must be in the
-    activations' dtype). Sixteen distinct 0.3B Llama layers' four products each (weights from memory), bfloat16,
-    two threads, AMD EPYC with avx512_bf16: 128 rows 510-523 ms by int8pack against 237-240 widened, 256 rows
-    991-1,056 against 421-426; at 32 rows 137-236 against 113-120, but the engine's decode (32 rows) ran at 0.50x
-    bf16 either way in one run, so decode keeps int8pack. float32, where aten's int8pack is not vectorised (one
+    dense product, for float32 rows and from DEQUANT_ROWS 16-bit rows on; below that aten._weight_int8pack_mm (the
+    scales must be in the activations' dtype). Sixteen distinct 0.3B Llama layers' four products each (weights from
+    memory), bfloat16, two threads, AMD EPYC with avx512_bf16: 128 rows 510-523 ms by int8pack against 237-240 widened,
+    256 rows 991-1,056 against 421-426; at 32 rows 137-236 against 113-120, but the engine's decode (32 rows) ran at
+    0.50x bf16 either way in one run, so decode keeps int8pack. float32, where aten's int8pack is not vectorised (one
     layer's four products): 32 rows 563 ms against 27 widened (12.8 for float32 weights), 512 rows 4.1 s against
     0.11."""
 
@@ -208,7 +208,8 @@ class Fp8ScaledMM:
 
 class Fp8Dequant:
     """FP8 emulated: the e4m3 weight (and activations, when W8A8) widened to the activations' dtype at each call
-    (exactly: e4m3 values are representable in bf16), one float product, the scales applied after."""
+    (exactly: e4m3 values are representable in bf16; WIDEN_BYTES of weight at a time), a float product, the scales
+    applied after."""
 
     def __init__(self, w: QuantizedWeight):
         self.data, self.scales = w.data, _by_dtype(w.scale)
@@ -217,9 +218,12 @@ class Fp8Dequant:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.activations == "fp8":
             fx, row_scale = fake_quantize_rows(x, "fp8", self.input_scale)
-            return (F.linear(fx.to(x.dtype), self.data.to(x.dtype)) * row_scale * self.scales[torch.float32]
-                    ).to(x.dtype)
-        return F.linear(x, self.data.to(x.dtype)) * self.scales[x.dtype]
+            product = _widened_product(fx.to(x.dtype), self.data.shape[0], self._widen(x.dtype))
+            return (product * row_scale * self.scales[torch.float32]).to(x.dtype)
+        return _widened_product(x, self.data.shape[0], self._widen(x.dtype)) * self.scales[x.dtype]
+
+    def _widen(self, dtype: torch.dtype):
+        return lambda lo, hi: self.data[lo:hi].to(dtype)
 
 
 class Int4Packed:
@@ -239,10 +243,10 @@ class Int4Packed:
 
 
 class Int4Widened:
-    """W4A16 at float32 compute: the nibbles widened to float32 for each call (one unpack, then scale and offset in
-    one pass, WIDEN_BYTES at a time) and a dense product; exact against the dequantized weight. aten's int4pack runs float32 rows on a
-    path that is not vectorised: one 0.3B Llama layer's four products at 32 rows 1,006 ms against 56 widened (12.8
-    for float32 weights), at 512 rows 7.5 s against 0.14 (AMD EPYC, two threads). It holds the canonical nibbles
+    """W4A16 at float32 compute: the nibbles widened to float32 for each call (one unpack, then scale and offset in one
+    pass, WIDEN_BYTES at a time) and a dense product; exact against the dequantized weight. aten's int4pack runs float32
+    rows on a path that is not vectorised: one 0.3B Llama layer's four products at 32 rows 1,006 ms against 56 widened
+    (12.8 for float32 weights), at 512 rows 7.5 s against 0.14 (AMD EPYC, two threads). It holds the canonical nibbles
     only (no packed copy)."""
 
     def __init__(self, w: QuantizedWeight):
@@ -251,11 +255,11 @@ class Int4Widened:
         self.offset = (-w.zeros * w.scale).contiguous()[..., None]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return _widened_product(_gather(x, self.perm), self.data.shape[0], lambda lo, hi: self._widen(lo, hi, x.dtype))
+        return _widened_product(_gather(x, self.perm), self.data.shape[0],
+                                lambda lo, hi: self._widen(lo, hi, x.dtype))
 
     def _widen(self, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
-        data = self.data[lo:hi]
-        codes = torch.stack((data & 15, data >> 4), dim=-1).view(hi - lo, -1, self.group_size).to(dtype)
+        codes = unpack_int4(self.data[lo:hi]).view(hi - lo, -1, self.group_size).to(dtype)
         return torch.addcmul(self.offset[lo:hi].to(dtype), codes, self.scale[lo:hi].to(dtype)).view(hi - lo, -1)
 
 
