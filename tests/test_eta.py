@@ -191,6 +191,25 @@ def test_the_estimate_falls_as_work_is_done():
     assert estimates == sorted(estimates, reverse=True) and estimates[-1] < 0.25 * estimates[0], estimates
 
 
+def test_between_simulations_the_estimate_counts_down_by_the_work_done_at_its_prices():
+    # the machine slows to 1.3x just after a simulation, which keeps standing (no new one): counted down by the
+    # clock, the estimate's miss would grow from -23 % towards -100 % as the job drains; counted down by the steps'
+    # price it stays the simulation's own
+    outputs, prompts = [20 + (i * 7) % 40 for i in range(60)], [4 + (i * 5) % 30 for i in range(60)]
+    job = SyntheticJob(outputs, prompts)
+    job.run_until(20)
+    assert job.eta.estimate(job.scheduler, []) is not None
+    job.eta.min_interval_s, job.eta._next_simulation = 1e9, 1e18
+    job.step_time = lambda shape: 1.3 * step_seconds(shape)
+    errors = []
+    for rows in (30, 50):
+        job.run_until(rows)
+        estimate = job.eta.estimate(job.scheduler, []).seconds_left
+        truth = copy.deepcopy(job).time_to_finish()
+        errors.append(estimate / truth - 1)
+    assert errors == pytest.approx([1 / 1.3 - 1] * 2, abs=0.05), errors
+
+
 def test_the_runners_own_work_is_read_over_the_recent_fits():
     # the runner's work at the start (reading and tokenizing rows): half a step's time more for each of the first
     # 40 steps, none after. Read over the whole run, it would price every step to come 10 % high at step 200.
@@ -332,9 +351,12 @@ def test_a_failing_simulation_never_stops_the_job(monkeypatch):
         raise RuntimeError("simulation: the scheduler planned no work")
 
     monkeypatch.setattr(eta_module, "simulate", fail)
-    job.clock.t += 100
-    after = job.eta.estimate(job.scheduler, [])   # the last estimate, counted down; no exception
-    assert after.seconds_left == max(0.0, before.seconds_left - 100)
+    job.clock.t += 100   # no step ran: no work done, nothing to count down
+    assert job.eta.estimate(job.scheduler, []).seconds_left == before.seconds_left   # no exception
+    job.step()
+    simulation = job.eta._last[0]
+    after = job.eta.estimate(job.scheduler, [])   # the last estimate, counted down by the step at its price
+    assert simulation.done > 0 and after.seconds_left == pytest.approx(max(0.0, before.seconds_left - simulation.done))
 
 
 def test_rows_read_but_not_admitted_share_their_prefixes_in_the_simulation():

@@ -53,12 +53,33 @@ class Eta:
     low: float | None = None    # p10 and p90 of the seconds left (eta_band), None when not known
     high: float | None = None
 
-    def aged(self, seconds: float, tokens: int = 0) -> "Eta":
-        """The same estimate `seconds` and `tokens` generated later (the finish time stays)."""
+    def aged(self, seconds: float, tokens: int, now: float) -> "Eta":
+        """The same estimate once `seconds` of its work are done and `tokens` more generated, at wall time `now`."""
         def left(x):
             return None if x is None else max(0.0, x - seconds)
-        return Eta(left(self.seconds_left), self.finish_at, max(0, self.output_tokens_left - tokens), left(self.low),
-                   left(self.high))
+        return Eta(left(self.seconds_left), now + left(self.seconds_left), max(0, self.output_tokens_left - tokens),
+                   left(self.low), left(self.high))
+
+
+@dataclass
+class Simulation:
+    """One simulation's time left, and the work done since, priced as it priced the work left: the estimate counts
+    down by the steps that really ran, not by the clock. Counted down by the clock, an estimate some % off when it
+    was made is off by more at each second until the next simulation (30-50 s later on a 1,000-row job, where a
+    simulation costs about a second): the bf16 longest-first job's estimate went from -22 % to -35 % in the 50 s
+    before its 75 % point, its steps priced at about 0.8x. Counted down by their price, the miss stays the
+    simulation's own; on steps priced right the two are the same."""
+    seconds_left: float
+    model: LinearModel
+    overhead: float        # wall time / time inside steps, as the simulation's time left was scaled by
+    done: float = 0.0      # priced seconds of the steps run since
+
+    def observe(self, shape: StepShape) -> None:
+        self.done += self.overhead * self.model.step_time(shape)
+
+    @property
+    def left(self) -> float:
+        return self.seconds_left - self.done
 
 
 class EtaEstimator:
@@ -83,9 +104,9 @@ class EtaEstimator:
         self._bootstrap = random.Random(1)                   # the band's resamples (eta_band)
         self._run_steps, self._run_step_s = 0, 0.0
         self._run_start: float | None = None
-        self._last: tuple[float, int, Eta] | None = None     # (clock and output tokens at the simulation, its estimate)
+        self._last: tuple[Simulation, int, Eta] | None = None   # the newest simulation, output tokens then, estimate
         self._output_tokens = 0                              # generated so far, as the engine counts them
-        self._recent: deque[tuple[float, float]] = deque(maxlen=3)   # (clock, seconds left) of the last simulations
+        self._recent: deque[Simulation] = deque(maxlen=3)    # the last simulations
         self._misses: deque[float] = deque(maxlen=MISSES_KEPT)      # held-out misses of the last fits (eta_band)
         self._marks: deque[tuple[float, float]] = deque(maxlen=OVERHEAD_FITS)   # (clock, time inside steps) at fits
         self._next_simulation = 0.0                          # clock time of the next simulation
@@ -126,6 +147,8 @@ class EtaEstimator:
             self._run_start = self.clock() - seconds
         self._run_steps += 1
         self._run_step_s += seconds
+        for simulation in self._recent:
+            simulation.observe(shape)
         if shape.tokens and self._run_steps > WARMUP_STEPS:
             self.steps.append((shape.tokens, shape.seqs, shape.kv_tokens, shape.attn_pairs, seconds))
 
@@ -141,14 +164,14 @@ class EtaEstimator:
     def estimate(self, scheduler, queued) -> Eta | None:
         """From the engine's scheduler (its running and waiting requests) and the rows read but not admitted; None
         until a fit can price the work left (_fit). Re-simulates when the last simulation is old enough; otherwise
-        counts down from it."""
+        counts down from it by the steps run since, at its prices (Simulation)."""
         now = self.clock()
         if now >= self._next_simulation or (self._gated and self._small_steps() >= MIN_SMALL_STEPS):
             self._resimulate(now, scheduler, queued)
         if self._last is None:
             return None
-        at, tokens, eta = self._last
-        return eta.aged(now - at, self._output_tokens - tokens)
+        simulation, tokens, eta = self._last
+        return eta.aged(simulation.done, self._output_tokens - tokens, self.wall_clock())
 
     def _resimulate(self, now: float, scheduler, queued) -> None:
         fitted = self._fit()
@@ -171,13 +194,15 @@ class EtaEstimator:
         self._gated = eta is None
         if eta is None:   # the work left runs steps of a size the record cannot price yet: again once it can
             return
-        # one fit on a young or noisy record can be far off: report the median of the last three, each aged to now
-        self._recent.append((now, eta.seconds_left))
-        left = float(np.median([seconds - (now - at) for at, seconds in self._recent]))
+        # one fit on a young or noisy record can be far off: report the median of the last three, each counted down
+        # to now
+        simulation = Simulation(eta.seconds_left, fitted[0], self.overhead)
+        self._recent.append(simulation)
+        left = float(np.median([s.left for s in self._recent]))
         scale = left / eta.seconds_left if eta.seconds_left > 0 else 1.0   # the band moves with the point
-        self._last = (now, self._output_tokens, Eta(left, self.wall_clock() + left, eta.output_tokens_left,
-                               None if eta.low is None else eta.low * scale,
-                               None if eta.high is None else eta.high * scale))
+        self._last = (simulation, self._output_tokens, Eta(left, self.wall_clock() + left, eta.output_tokens_left,
+                                                            None if eta.low is None else eta.low * scale,
+                                                            None if eta.high is None else eta.high * scale))
 
     def _fit(self) -> tuple[LinearModel, float] | None:
         """The step-time model from the recorded steps, and the step size (tokens) up to which it has not seen enough
