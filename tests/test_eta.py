@@ -202,12 +202,32 @@ def test_between_simulations_the_estimate_counts_down_by_the_work_done_at_its_pr
     job.eta.min_interval_s, job.eta._next_simulation = 1e9, 1e18
     job.step_time = lambda shape: 1.3 * step_seconds(shape)
     errors = []
-    for rows in (30, 50):
+    for rows in (28, 38):   # fewer than twice the rows at the simulation: no new one for the lengths either
         job.run_until(rows)
         estimate = job.eta.estimate(job.scheduler, []).seconds_left
         truth = copy.deepcopy(job).time_to_finish()
         errors.append(estimate / truth - 1)
     assert errors == pytest.approx([1 / 1.3 - 1] * 2, abs=0.05), errors
+
+
+def test_the_estimate_is_simulated_again_once_the_finished_rows_double_while_that_costs_little():
+    job = SyntheticJob([20 + (i * 7) % 40 for i in range(60)], [4 + (i * 5) % 30 for i in range(60)])
+    job.run_until(6)
+    assert job.eta.estimate(job.scheduler, []) is not None
+    job.eta.min_interval_s, job.eta._next_simulation = 1e9, 1e18   # no simulation by the clock from here
+    simulated, rows = job.eta._last[0], job.eta._finished_at_simulation
+    job.run_until(2 * rows - 1)
+    job.eta.estimate(job.scheduler, [])
+    assert job.eta._last[0] is simulated or job.done >= 2 * rows      # not doubled yet: the same estimate
+    job.run_until(2 * rows)
+    job.eta.estimate(job.scheduler, [])
+    assert job.eta._last[0] is not simulated and job.eta._finished_at_simulation == job.done
+    # once simulating has cost more than EARLY_COST_SHARE of the run so far, a new one waits for the clock
+    job.eta._simulation_cost, job.eta._next_simulation = (job.clock.t - job.eta._run_start, 0.001), 1e18
+    simulated, rows = job.eta._last[0], job.done
+    job.run_until(2 * rows)
+    job.eta.estimate(job.scheduler, [])
+    assert job.eta._last[0] is simulated
 
 
 def test_the_runners_own_work_is_read_over_the_recent_fits():
