@@ -218,7 +218,7 @@ def test_the_estimate_is_simulated_again_once_the_finished_rows_double_while_tha
     simulated, rows = job.eta._last[0], job.eta._finished_at_simulation
     job.run_until(2 * rows - 1)
     job.eta.estimate(job.scheduler, [])
-    assert job.eta._last[0] is simulated or job.done >= 2 * rows      # not doubled yet: the same estimate
+    assert job.done < 2 * rows and job.eta._last[0] is simulated      # not doubled yet: the same estimate
     job.run_until(2 * rows)
     job.eta.estimate(job.scheduler, [])
     assert job.eta._last[0] is not simulated and job.eta._finished_at_simulation == job.done
