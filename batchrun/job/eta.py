@@ -66,10 +66,10 @@ class Eta:
 class Simulation:
     """One simulation's time left, and the work done since, priced as it priced the work left: the estimate counts
     down by the steps that really ran, not by the clock. Counted down by the clock, an estimate some % off when it
-    was made is off by more at each second until the next simulation (30-50 s later on a 1,000-row job, where a
+    was made is off by more at each second until the next simulation (40-60 s later on a 1,000-row job, where a
     simulation costs about a second): the bf16 longest-first job's estimate went from -22 % to -35 % in the 50 s
-    before its 75 % point, its steps priced at about 0.8x. Counted down by their price, the miss stays the
-    simulation's own; on steps priced right the two are the same."""
+    before its 75 % point (fits of that part of the run priced the steps that followed at 0.82-0.92x). Counted down
+    by their price, the miss stays the simulation's own; on steps priced right the two are the same."""
     seconds_left: float
     model: LinearModel
     overhead: float        # wall time / time inside steps, as the simulation's time left was scaled by
