@@ -1,22 +1,20 @@
 """The job's time left: from the work left (simulated over the real scheduler with the step-time model fitted on
-the job's own steps), not from the rows left; deadline verdicts; the figures in summary.json, metrics.prom and
-status while running; a resumed run's estimate starts from the saved steps."""
+the job's own steps), not from the rows left; the figures in summary.json, metrics.prom and status while running
+(the deadline verdict itself: test_deadline.py); a resumed run's estimate starts from the saved steps."""
 import copy
 import random
 from datetime import datetime, timedelta
 from types import SimpleNamespace
 
 import pytest
-import yaml
 
 import batchrun.job.eta as eta_module
 import batchrun.job.progress as progress_module
-from batchrun.deadline import parse_deadline
 from batchrun.engine.request import Request
 from batchrun.engine.step_stats import StepShape
-from batchrun.job import Job, JobError, JobSpec
+from batchrun.job import Job
 from batchrun.job.bucketing import RowFeed
-from batchrun.job.eta import MIN_STEPS, Eta, EtaEstimator, deadline_verdict
+from batchrun.job.eta import MIN_STEPS, EtaEstimator
 from batchrun.sampling_params import SamplingParams
 from batchrun.stepmodel.linear_fit import ContextPrior, fit_linear
 from batchrun.stepmodel.simulate import WorkItem, admission_keys, make_scheduler
@@ -276,23 +274,6 @@ def test_tokens_left_count_down_between_simulations_and_hold_in_shortest_first_o
         assert job.eta.estimate(job.scheduler, []).output_tokens_left == forecast - (job.generated - before)
 
 
-def test_deadline_verdict_reads_the_band():
-    deadline = datetime.now() + timedelta(hours=2)
-
-    def eta(finish_in_min: float, low_min: float, high_min: float) -> Eta:
-        finish = (deadline + timedelta(minutes=finish_in_min)).timestamp()
-        left = finish - datetime.now().timestamp()
-        return Eta(left, finish, 0, left + low_min * 60, left + high_min * 60)
-    verdict, line = deadline_verdict(eta(-30, -10, 20), deadline, "job.yaml")
-    assert verdict == "on track" and line.startswith("on track: predicted")
-    verdict, line = deadline_verdict(eta(-30, -10, 40), deadline, "job.yaml")   # its p90 is 10 min past
-    assert verdict == "at risk" and line.startswith("at risk: predicted") and "batchrun plan job.yaml" in line
-    verdict, line = deadline_verdict(eta(40, -20, 30), deadline, "job.yaml")
-    assert verdict == "late" and line.startswith("late by ~40 min") and "batchrun plan job.yaml --deadline" in line
-    assert deadline_verdict(Eta(60.0, (deadline - timedelta(minutes=5)).timestamp(), 0), deadline, "j")[0] == \
-        "on track"   # no band: the point decides
-
-
 def test_the_band_holds_the_time_left_on_a_noisy_machine():
     """Output lengths that vary (4 to 60 tokens, stopping before max_tokens) and step times that jitter by 20 %:
     from a quarter of the rows on, the p10-p90 band holds the real time left at most points, and narrows as the
@@ -310,26 +291,6 @@ def test_the_band_holds_the_time_left_on_a_noisy_machine():
         widths.append((eta.high - eta.low) / eta.seconds_left)
     assert sum(held) >= 3, (held, widths)
     assert widths[-1] < widths[0], widths
-
-
-def test_deadline_values():
-    now = datetime(2030, 1, 31, 22, 0)
-    assert parse_deadline("07:00", now) == datetime(2030, 2, 1, 7, 0)      # the next 07:00
-    assert parse_deadline("23:30", now) == datetime(2030, 1, 31, 23, 30)
-    assert parse_deadline("2030-02-02T06:00", now) == datetime(2030, 2, 2, 6, 0)
-    raw = {"input": {"path": "in.parquet"}, "output": {"path": "out"}}
-    unquoted = yaml.safe_load("deadline: 2030-02-02T06:00:00")["deadline"]   # YAML's own timestamp
-    assert JobSpec({**raw, "deadline": unquoted}).deadline_at == datetime(2030, 2, 2, 6, 0)
-
-
-@pytest.mark.parametrize("value, message", [("tomorrow", "cannot read 'tomorrow' as a deadline"),
-                                            (420, 'write the time in quotes, e.g. deadline: "07:00"'),
-                                            ([7], "deadline")])
-def test_a_bad_deadline_is_an_error_naming_the_field(value, message):
-    raw = {"input": {"path": "in.parquet"}, "output": {"path": "out"}, "deadline": value}
-    with pytest.raises(JobError, match="deadline") as info:
-        JobSpec(raw)
-    assert message in str(info.value)
 
 
 def test_a_running_job_reports_its_estimate(tmp_path, tiny_model, monkeypatch):
