@@ -213,13 +213,14 @@ def test_the_estimate_is_simulated_again_once_the_finished_rows_double_while_tha
     job.run_until(6)
     assert job.eta.estimate(job.scheduler, []) is not None
     job.eta.min_interval_s, job.eta._next_simulation = 1e9, 1e18   # no simulation by the clock from here
-    simulated, rows = job.eta._last[0], job.eta._finished_at_simulation
+    simulated = job.eta._last[0]
+    rows = simulated.finished
     job.run_until(2 * rows - 1)
     job.eta.estimate(job.scheduler, [])
     assert job.done < 2 * rows and job.eta._last[0] is simulated      # not doubled yet: the same estimate
     job.run_until(2 * rows)
     job.eta.estimate(job.scheduler, [])
-    assert job.eta._last[0] is not simulated and job.eta._finished_at_simulation == job.done
+    assert job.eta._last[0] is not simulated and job.eta._last[0].finished == job.done
     # once simulating has cost more than EARLY_COST_SHARE of the run so far, a new one waits for the clock
     job.eta._simulation_cost, job.eta._next_simulation = (job.clock.t - job.eta._run_start, 0.001), 1e18
     simulated, rows = job.eta._last[0], job.done

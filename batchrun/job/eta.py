@@ -73,6 +73,8 @@ class Simulation:
     seconds_left: float
     model: LinearModel
     overhead: float        # wall time / time inside steps, as the simulation's time left was scaled by
+    finished: int          # rows finished when it was made (its output lengths were read from them)
+    output_tokens: int     # tokens generated when it was made
     done: float = 0.0      # priced seconds of the steps run since
 
     def observe(self, shape: StepShape) -> None:
@@ -105,14 +107,13 @@ class EtaEstimator:
         self._bootstrap = random.Random(1)                   # the band's resamples (eta_band)
         self._run_steps, self._run_step_s = 0, 0.0
         self._run_start: float | None = None
-        self._last: tuple[Simulation, int, Eta] | None = None   # the newest simulation, output tokens then, estimate
+        self._last: tuple[Simulation, Eta] | None = None     # the newest simulation and the estimate it gave
         self._output_tokens = 0                              # generated so far, as the engine counts them
         self._recent: deque[Simulation] = deque(maxlen=3)    # the last simulations
         self._misses: deque[float] = deque(maxlen=MISSES_KEPT)      # held-out misses of the last fits (eta_band)
         self._marks: deque[tuple[float, float]] = deque(maxlen=OVERHEAD_FITS)   # (clock, time inside steps) at fits
         self._next_simulation = 0.0                          # clock time of the next simulation
         self._gated = False   # the last simulation gave no estimate for want of small steps (_fit); retried on them
-        self._finished_at_simulation = 0                     # finished rows the last estimate's lengths were read from
         self._simulation_cost = (0.0, 0.0)                   # (all simulations, the last one), estimator's clock
         self._warned = False
 
@@ -174,8 +175,8 @@ class EtaEstimator:
             self._resimulate(now, scheduler, queued)
         if self._last is None:
             return None
-        simulation, tokens, eta = self._last
-        return eta.aged(simulation.done, self._output_tokens - tokens, self.wall_clock())
+        simulation, eta = self._last
+        return eta.aged(simulation.done, self._output_tokens - simulation.output_tokens, self.wall_clock())
 
     def _resimulate(self, now: float, scheduler, queued) -> None:
         fitted = self._fit()
@@ -199,16 +200,16 @@ class EtaEstimator:
         self._gated = eta is None
         if eta is None:   # the work left runs steps of a size the record cannot price yet: again once it can
             return
-        self._finished_at_simulation = len(self.lengths.finished)
         # one fit on a young or noisy record can be far off: report the median of the last three, each counted down
         # to now
-        simulation = Simulation(eta.seconds_left, fitted[0], self.overhead)
+        simulation = Simulation(eta.seconds_left, fitted[0], self.overhead, len(self.lengths.finished),
+                                self._output_tokens)
         self._recent.append(simulation)
         left = float(np.median([s.left for s in self._recent]))
         scale = left / eta.seconds_left if eta.seconds_left > 0 else 1.0   # the band moves with the point
-        self._last = (simulation, self._output_tokens, Eta(left, self.wall_clock() + left, eta.output_tokens_left,
-                                                            None if eta.low is None else eta.low * scale,
-                                                            None if eta.high is None else eta.high * scale))
+        self._last = (simulation, Eta(left, self.wall_clock() + left, eta.output_tokens_left,
+                                      None if eta.low is None else eta.low * scale,
+                                      None if eta.high is None else eta.high * scale))
 
     def _lengths_grew(self, now: float) -> bool:
         """The finished rows have doubled (and grown by 4 at least) since the last estimate, and simulating once more
@@ -219,7 +220,7 @@ class EtaEstimator:
         if self._last is None or self._run_start is None:
             return False
         spent, last = self._simulation_cost
-        at = self._finished_at_simulation
+        at = self._last[0].finished
         return (len(self.lengths.finished) >= max(2 * at, at + 4)
                 and spent + last <= EARLY_COST_SHARE * (now - self._run_start))
 
