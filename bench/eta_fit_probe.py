@@ -14,7 +14,9 @@ A simulation matching the real steps with a fit pricing them high is a step-mode
 10 ... 75 % of steps and prices the rest, by kind of step, without running the job, then the mean error over every
 run and point: a change to the fit measured on the same steps. --cpu-time prices the steps' CPU time instead of
 their wall time: on a core shared with another process, its load moves the wall time of a step by tens of percent,
-not its CPU time.
+not its CPU time. Runs of the same job and order repeat the same steps (greedy outputs, a deterministic scheduler):
+replayed together, their measured seconds are set side by side by tenth of the run, which tells the machine's
+run-to-run speed (the same steps, different times) from a step model's misprice (the same times, priced wrong).
 """
 from __future__ import annotations
 
@@ -124,10 +126,30 @@ def replay(paths: list[str], cpu_time: bool) -> None:
             priced = np.array([model.step_time(s) for s in shapes[at:]])
             errors.append(priced.sum() / measured[at:].sum() - 1)
             print(f"  fit on the first {round(100 * share)} %: " + kinds_priced(priced, measured[at:], shapes[at:]))
+    same_steps(paths)
     size = np.abs(errors)
     print(f"{len(paths)} runs x {len(REPLAY_AT)} points, all steps that followed: mean |priced / measured - 1| "
           f"{100 * size.mean():.1f} %, within 15 % at {100 * np.mean(size <= 0.15):.0f} % of points, worst "
           f"{100 * size.max():.1f} %")
+
+
+def same_steps(paths: list[str]) -> None:
+    """Runs whose recorded step shapes are identical: each one's measured seconds by tenth of the run, and the
+    slowest over the fastest run in each tenth."""
+    groups: dict[tuple, list[tuple[str, np.ndarray]]] = {}
+    for path in paths:
+        with open(path) as f:
+            steps = json.load(f)["steps"]
+        groups.setdefault(tuple(tuple(step[:4]) for step in steps), []).append(
+            (path, np.array([step[4] for step in steps])))
+    for runs in (group for group in groups.values() if len(group) > 1):
+        tenths = np.array([[part.sum() for part in np.array_split(seconds, 10)] for _, seconds in runs])
+        print(f"the same {len(runs[0][1])} steps in {len(runs)} runs, seconds by tenth of the run:")
+        for (path, _), row in zip(runs, tenths):
+            print(f"  {' '.join(f'{t:6.1f}' for t in row)}  {row.sum():7.1f}  {path}")
+        spread = tenths.max(axis=0) / tenths.min(axis=0)
+        print(f"  {' '.join(f'{x:6.2f}' for x in spread)}  {tenths.sum(axis=1).max() / tenths.sum(axis=1).min():7.2f}"
+              "  slowest / fastest")
 
 
 def main() -> None:
