@@ -229,6 +229,35 @@ def test_the_estimate_is_simulated_again_once_the_finished_rows_double_while_tha
     assert job.eta._last[0] is simulated
 
 
+def test_simulations_from_rows_that_have_doubled_since_leave_the_median():
+    # the first estimates read the output lengths from no or few finished rows (every row priced near its
+    # max_tokens); once the rows have doubled, the newest simulation is not outvoted by them
+    outputs = [20 + (i * 7) % 40 for i in range(60)]
+    job = SyntheticJob(outputs, [4 + (i * 5) % 30 for i in range(60)], max_tokens=[200] * 60)
+    while job.eta.estimate(job.scheduler, []) is None:
+        job.step()
+    job.eta.min_interval_s, job.eta._next_simulation = 1e9, 1e18   # new simulations only as the rows double
+    errors = []
+    for _ in range(3):
+        job.run_until(max(2 * job.done, job.done + 4))
+        estimate = job.eta.estimate(job.scheduler, []).seconds_left
+        newest = job.eta._last[0]
+        assert newest.finished == job.done
+        assert estimate == pytest.approx(newest.left)        # the older ones read fewer than half these rows
+        errors.append(estimate / copy.deepcopy(job).time_to_finish() - 1)
+    # -21, -9, +2 %; the median of all three: +288 % (with the simulation from no finished row), -9, -11 %
+    assert max(map(abs, errors)) < 0.25 and abs(errors[-1]) < 0.05, errors
+    # the rows have not doubled since the two before: the median of the three
+    job.run_until(20)
+    job.eta._next_simulation = 0
+    job.eta.estimate(job.scheduler, [])
+    job.run_until(24)
+    job.eta._next_simulation = 0
+    estimate = job.eta.estimate(job.scheduler, []).seconds_left
+    assert estimate == pytest.approx(sorted(s.left for s in job.eta._recent)[1])
+    assert estimate != pytest.approx(job.eta._last[0].left)   # here the newest is not the median
+
+
 def test_the_runners_own_work_is_read_over_the_recent_fits():
     # the runner's work at the start (reading and tokenizing rows): half a step's time more for each of the first
     # 40 steps, none after. Read over the whole run, it would price every step to come 10 % high at step 200.
