@@ -116,9 +116,9 @@ def test_the_pilot_heads_the_first_window_only():
     second = [90, 33, 70, 34, 91, 35]
     rows = [SimpleNamespace(index=i, error=None, token_ids=[0] * n) for i, n in enumerate(first + second)]
 
-    def order(pilot):
+    def order(pilot, longest_first=False):
         feed = RowFeed([rows[:len(first)], rows[len(first):]], lambda batch: None, window=len(first),
-                       bucketing=True, skip=set(), pilot=pilot)
+                       bucketing=True, skip=set(), pilot=pilot, longest_first=longest_first)
         return [len(row.token_ids) for _, row in iter(feed.next, None)]
 
     # a quarter of each class, spread over it: 8 of class 6 (every 4th), 5 of class 7 (every 3.6th); class 3 has
@@ -127,6 +127,10 @@ def test_the_pilot_heads_the_first_window_only():
     rest = sorted(n for n in first if n not in pilot)
     assert order(0.25) == pilot + rest + sorted(second)
     assert order(0) == sorted(first) + sorted(second)
+    # longest first, the pilot (spread over each class from its longest row down) still runs shortest first
+    pilot = [5, 6] + list(range(35, 64, 4)) + [67, 71, 74, 78, 81]
+    rest = sorted((n for n in first if n not in pilot), reverse=True)
+    assert order(0.25, True) == pilot + rest + sorted(second, reverse=True)
 
 
 def test_the_planner_simulates_the_feeds_order():

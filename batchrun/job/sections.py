@@ -129,8 +129,8 @@ class BatchingSection(Section):
     max_waiting: Optional[PositiveInt] = None
     pilot: float = Field(0.1, ge=0, le=1, description="with bucketing: the share of each prompt-length class "
                                                      "(powers of two; at least 4 rows) in the first window admitted "
-                                                     "first, so the time left learns early how far each class's "
-                                                     "outputs run (0: none)")
+                                                     "first, shortest first, so the time left learns early how far "
+                                                     "each class's outputs run (0: none)")
 
 
 class ExecutorSection(Section):
