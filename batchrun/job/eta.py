@@ -332,7 +332,8 @@ def _superseded(finished_then: int, finished_now: int) -> bool:
     simulation made from them leaves the median of the last three. In a float32 longest-first 1,000-row job (AMD
     EPYC) the first estimate read the lengths from 5 finished rows (tokens left +24.5 %, estimate +27.6 %); at a
     quarter of the run, 112 rows done, the estimate still stood +23.2 % while the tokens left were within 2.4 % and
-    a fit of the steps so far priced the rest 1.04x (eta_fit_probe.py --replay)."""
+    a fit of the steps so far priced the rest 1.04x (eta_fit_probe.py --replay). Rerun with its simulations logged:
+    the median of those from 11, 37 and 77 rows said 568.7 s left where the newest said 514.7, and it stood 78 s."""
     return finished_now >= max(2 * finished_then, finished_then + 4)
 
 
