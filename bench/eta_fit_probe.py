@@ -110,10 +110,10 @@ def kinds_priced(priced: np.ndarray, measured: np.ndarray, shapes: list[StepShap
 
 
 def replay(paths: list[str], cpu_time: bool) -> None:
-    errors = []
+    errors, runs = [], {}
     for path in paths:
         with open(path) as f:
-            run = json.load(f)
+            run = runs[path] = json.load(f)
         prior = run.get("prior") and ContextPrior(**run["prior"])
         kept = [step for step in run["steps"][WARMUP_STEPS:] if step[0]]   # as the ETA records them
         shapes = [StepShape(*step[:4]) for step in kept]
@@ -126,26 +126,24 @@ def replay(paths: list[str], cpu_time: bool) -> None:
             priced = np.array([model.step_time(s) for s in shapes[at:]])
             errors.append(priced.sum() / measured[at:].sum() - 1)
             print(f"  fit on the first {round(100 * share)} %: " + kinds_priced(priced, measured[at:], shapes[at:]))
-    same_steps(paths)
+    same_steps({path: run["steps"] for path, run in runs.items()})
     size = np.abs(errors)
     print(f"{len(paths)} runs x {len(REPLAY_AT)} points, all steps that followed: mean |priced / measured - 1| "
           f"{100 * size.mean():.1f} %, within 15 % at {100 * np.mean(size <= 0.15):.0f} % of points, worst "
           f"{100 * size.max():.1f} %")
 
 
-def same_steps(paths: list[str]) -> None:
-    """Runs whose recorded step shapes are identical: each one's measured seconds by tenth of the run, and the
-    slowest over the fastest run in each tenth."""
+def same_steps(runs: dict[str, list]) -> None:
+    """Runs ({path: recorded steps}) whose step shapes are identical: each one's measured seconds by tenth of the
+    run, and the slowest over the fastest run in each tenth."""
     groups: dict[tuple, list[tuple[str, np.ndarray]]] = {}
-    for path in paths:
-        with open(path) as f:
-            steps = json.load(f)["steps"]
+    for path, steps in runs.items():
         groups.setdefault(tuple(tuple(step[:4]) for step in steps), []).append(
             (path, np.array([step[4] for step in steps])))
-    for runs in (group for group in groups.values() if len(group) > 1):
-        tenths = np.array([[part.sum() for part in np.array_split(seconds, 10)] for _, seconds in runs])
-        print(f"the same {len(runs[0][1])} steps in {len(runs)} runs, seconds by tenth of the run:")
-        for (path, _), row in zip(runs, tenths):
+    for group in (group for group in groups.values() if len(group) > 1):
+        tenths = np.array([[part.sum() for part in np.array_split(seconds, 10)] for _, seconds in group])
+        print(f"the same {len(group[0][1])} steps in {len(group)} runs, seconds by tenth of the run:")
+        for (path, _), row in zip(group, tenths):
             print(f"  {' '.join(f'{t:6.1f}' for t in row)}  {row.sum():7.1f}  {path}")
         spread = tenths.max(axis=0) / tenths.min(axis=0)
         print(f"  {' '.join(f'{x:6.2f}' for x in spread)}  {tenths.sum(axis=1).max() / tenths.sum(axis=1).min():7.2f}"
