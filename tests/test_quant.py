@@ -130,8 +130,10 @@ def test_w8a8_leaves_onednn_for_int_mm_where_onednn_is_slow(monkeypatch):
     monkeypatch.setattr(cpu_kernels.Int8IntMM, "product", instant)
     monkeypatch.setattr(amx_linear, "packable", lambda data: False)
     cpu_kernels.onednn_int8_runs_fast.cache_clear()
+    threads = torch.get_num_threads()
     try:
         assert cpu_kernel_name(quantize.int8_per_channel(torch.randn(32, 64), "int8")) == "w8a8-intmm"
+        assert torch.get_num_threads() == threads   # the probe times on one thread and gives the rest back
     finally:
         cpu_kernels.onednn_int8_runs_fast.cache_clear()
 
