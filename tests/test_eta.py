@@ -40,8 +40,10 @@ class SyntheticJob:
     """Requests stepped through the real scheduler on the synthetic step time, observed as the runner does."""
 
     def __init__(self, outputs: list[int], prompt_lens: list[int], saved: dict | None = None, jitter: float = 0.0,
-                 prior: ContextPrior | None = None, step_time=step_seconds, max_tokens: list[int] | None = None):
-        """Request i generates outputs[i] tokens: it stops there (token 1, a stop token) when max_tokens[i] is more."""
+                 prior: ContextPrior | None = None, step_time=step_seconds, max_tokens: list[int] | None = None,
+                 decodes_on_request: bool = False):
+        """Request i generates outputs[i] tokens: it stops there (token 1, a stop token) when max_tokens[i] is more.
+        decodes_on_request: the estimator may ask the scheduler for steps of decodes alone, as a job's does."""
         self.clock, self.step_time = FakeClock(), step_time
         self.jitter = random.Random(0), jitter   # step times that vary as on a shared CPU
         self.scheduler = make_scheduler(POOL["num_blocks"], POOL["block_size"], POOL["max_num_seqs"],
@@ -52,7 +54,8 @@ class SyntheticJob:
                                        SamplingParams(max_tokens=most, temperature=0, stop_token_ids=[1]),
                                        arrival_index=i))
         self.eta = EtaEstimator(**POOL, rows_to_read=0, window=8192, bucketing=False, longest_first=False,
-                                prior=prior, saved=saved, clock=self.clock, wall_clock=self.clock, min_interval_s=0)
+                                prior=prior, saved=saved, clock=self.clock, wall_clock=self.clock, min_interval_s=0,
+                                run_decodes_alone=self.scheduler.run_decodes_alone if decodes_on_request else None)
         self.total, self.done, self.generated = len(outputs), 0, 0
 
     def step(self) -> None:

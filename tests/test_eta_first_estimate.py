@@ -1,5 +1,6 @@
 """When the running job's first estimate comes: not from full prefill chunks alone (they cannot price the decode
-steps to come), as soon as the record holds smaller steps, and at once for a job of full chunks alone."""
+steps to come), as soon as the record holds smaller steps, which the estimator asks the scheduler for, and at once
+for a job of full chunks alone."""
 from batchrun.job.eta import MIN_SMALL_STEPS, MIN_STEPS
 from test_eta import SyntheticJob, prefill_law
 
@@ -48,3 +49,20 @@ def test_a_job_of_full_prefill_chunks_alone_is_priced_from_them():
         job.step()
     estimate = job.eta.estimate(job.scheduler, [])
     assert estimate is not None and abs(estimate.seconds_left / job.time_to_finish() - 1) < 0.05
+
+
+def test_the_estimator_asks_for_decode_steps_and_its_first_estimate_comes_sooner():
+    # Long prompts first: small steps come only once every seat decodes, 19 steps in. The estimator asks for steps
+    # of decodes alone at its record's 4th step, and its first estimate comes at the 8th, as right.
+    def first_estimate(job: SyntheticJob) -> tuple[float, int, float]:
+        start, estimate = job.clock.t, None
+        while estimate is None:
+            job.step()
+            estimate = job.eta.estimate(job.scheduler, [])
+        seconds, small = job.clock.t - start, small_steps(job)
+        return seconds, small, estimate.seconds_left / job.time_to_finish() - 1
+
+    waited, _, _ = first_estimate(SyntheticJob([100] * 8, [300] * 8, step_time=prefill_law))
+    asked = SyntheticJob([100] * 8, [300] * 8, step_time=prefill_law, decodes_on_request=True)
+    sooner, small, error = first_estimate(asked)
+    assert small >= MIN_SMALL_STEPS and sooner < 0.6 * waited and abs(error) < 0.15, (sooner, waited, error)

@@ -46,6 +46,24 @@ def test_a_long_prompt_is_prefilled_in_budget_sized_chunks_and_samples_once():
     assert r.finished and r.output_token_ids == [0, 0] and r.finish_reason == "length"
 
 
+def test_steps_of_decodes_alone_leave_the_chunks_and_admissions_for_after():
+    s = single(budget=10)
+    s.add(request("a", 4, 5))
+    s.add(request("b", 25, 2))
+    assert step(s)[0] == [("a", 4), ("b", 6)]
+    s.add(request("c", 4, 2))
+    s.run_decodes_alone(2)
+    assert [step(s)[0] for _ in range(2)] == [[("a", 1)], [("a", 1)]]   # b's chunk and c's admission wait
+    assert step(s)[0] == [("a", 1), ("b", 9)]                           # then the steps are as before
+    assert step(s)[0] == [("a", 1), ("b", 9)]
+    s = single(budget=10)   # no request decoding yet: the asked steps wait for one
+    s.add(request("long", 25, 3))
+    s.run_decodes_alone(1)
+    assert [step(s)[0] for _ in range(3)] == [[("long", 10)], [("long", 10)], [("long", 5)]]
+    assert s.decode_steps_asked == 1
+    assert step(s)[0] == [("long", 1)] and s.decode_steps_asked == 0
+
+
 def test_max_num_seqs_caps_admission():
     s = single(max_num_seqs=2, budget=100)
     for name in "abc":

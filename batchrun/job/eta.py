@@ -23,6 +23,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Callable
 
 import numpy as np
 
@@ -89,8 +90,11 @@ class EtaEstimator:
     def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                  prefix_caching: bool, rows_to_read: int, window: int, bucketing: bool, longest_first: bool,
                  prior: ContextPrior | None = None, saved: dict | None = None, clock=time.monotonic,
-                 wall_clock=time.time, min_interval_s: float = 30.0):
+                 wall_clock=time.time, min_interval_s: float = 30.0,
+                 run_decodes_alone: Callable[[int], None] | None = None):
+        """run_decodes_alone(n): the scheduler's (Scheduler.run_decodes_alone), to measure decode steps early."""
         self.prior = prior   # c ~ ratio x a, for a record whose context sums hardly vary (a full pool)
+        self.run_decodes_alone = run_decodes_alone
         self.pool = (num_blocks, block_size, max_num_seqs, max_num_batched_tokens, prefix_caching)
         self.rows_to_read, self.window = rows_to_read, window
         self.bucketing, self.longest_first = bucketing, longest_first
@@ -114,6 +118,7 @@ class EtaEstimator:
         self._marks: deque[tuple[float, float]] = deque(maxlen=OVERHEAD_FITS)   # (clock, time inside steps) at fits
         self._next_simulation = 0.0                          # clock time of the next simulation
         self._gated = False   # the last simulation gave no estimate for want of small steps (_fit); retried on them
+        self._asked_for_decodes = False
         self._simulation_cost = (0.0, 0.0)                   # (all simulations, the last one), estimator's clock
         self._warned = False
 
@@ -138,8 +143,8 @@ class EtaEstimator:
                   max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                   prefix_caching=config.enable_prefix_caching, rows_to_read=rows_to_read, window=batching.window,
                   bucketing=batching.bucketing, longest_first=batching.longest_first,
-                  prior=ContextPrior.of_engine(engine),
-                  saved=saved)
+                  prior=ContextPrior.of_engine(engine), saved=saved,
+                  run_decodes_alone=engine.scheduler.run_decodes_alone)
         engine.observe(lambda stats: eta.observe_step(stats.shape, stats.step_time, stats.output_tokens))
         return eta
 
@@ -155,6 +160,18 @@ class EtaEstimator:
             simulation.observe(shape)
         if shape.tokens and self._run_steps > WARMUP_STEPS:
             self.steps.append((shape.tokens, shape.seqs, shape.kv_tokens, shape.attn_pairs, seconds))
+            self._ask_for_decodes()
+
+    def _ask_for_decodes(self) -> None:
+        """Once the record holds MIN_STEPS - MIN_SMALL_STEPS steps, the small steps it still lacks are asked of the
+        scheduler as steps of decodes alone, so that the first fit (at MIN_STEPS) can price decode steps. Longest
+        first, the sample's first small steps came only once the long prompts filled the KV pool, 10-12 % into the
+        run, and the first estimate with them."""
+        if self.run_decodes_alone is None or self._asked_for_decodes or len(self.steps) < MIN_STEPS - MIN_SMALL_STEPS:
+            return
+        self._asked_for_decodes = True
+        if (missing := MIN_SMALL_STEPS - self._small_steps()) > 0:
+            self.run_decodes_alone(missing)
 
     def observe_finished(self, generated: int, max_tokens: int, prompt_tokens: int) -> None:
         self.lengths.finished.append((prompt_tokens, generated, generated >= max_tokens))
