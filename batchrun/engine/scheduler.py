@@ -135,7 +135,7 @@ class Scheduler:
         no admission. A job's ETA asks for a few when its first steps were all prefill chunks: a chunk's step is the
         chunk's compute, a decode step's is reading the weights, and the first tells nothing of the second (fits on
         the chunks of the sample's first 8-10 s at bf16 priced its decode steps 0.26-3.96x). The cost is small: the
-        sample's 4 such steps took 47-59 ms each (SmolLM2, bf16, two cores), where the same 26-28 decodes beside a
+        sample's 4 such steps took 45-65 ms each (SmolLM2, bf16, two cores), where the same 26-28 decodes beside a
         1,024-token chunk take about 20 ms of its time."""
         self.decode_steps_asked = max(self.decode_steps_asked, steps)
 
