@@ -52,8 +52,8 @@ def test_a_job_of_full_prefill_chunks_alone_is_priced_from_them():
 
 
 def test_the_estimator_asks_for_decode_steps_and_its_first_estimate_comes_sooner():
-    # Long prompts first: small steps come only once every seat decodes, 19 steps in. The estimator asks for steps
-    # of decodes alone at its record's 4th step, and its first estimate comes at the 8th, as right.
+    # Long prompts first: small steps come only once every seat decodes, at the 20th step. The estimator asks for
+    # steps of decodes alone at its record's 4th step, and its first estimate comes at the record's 8th, as right.
     def first_estimate(job: SyntheticJob) -> tuple[float, int, float]:
         start, estimate = job.clock.t, None
         while estimate is None:

@@ -165,8 +165,8 @@ class EtaEstimator:
     def _ask_for_decodes(self) -> None:
         """Once the record holds MIN_STEPS - MIN_SMALL_STEPS steps, the small steps it still lacks are asked of the
         scheduler as steps of decodes alone, so that the first fit (at MIN_STEPS) can price decode steps. Longest
-        first, the sample's first small steps came only once the long prompts filled the KV pool, 10-12 % into the
-        run, and the first estimate with them."""
+        first, the sample's first small steps came only once the long prompts filled the KV pool, 11-13 % into the
+        run, and the first estimate with them (4-6 % now)."""
         if self.run_decodes_alone is None or self._asked_for_decodes or len(self.steps) < MIN_STEPS - MIN_SMALL_STEPS:
             return
         self._asked_for_decodes = True
