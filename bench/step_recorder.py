@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import time
 
 import batchrun.job.eta as eta_module
@@ -40,6 +41,7 @@ def recorded_steps():
 
 def save(path: str, record: dict, cpu: str, job: str, order: str, overrides: list[str]) -> None:
     prior = record["prior"]
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump({"cpu": cpu, "job": job, "order": order, "overrides": overrides,
                    "prior": prior and dataclasses.asdict(prior), "steps": record["steps"],
