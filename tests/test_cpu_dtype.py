@@ -44,3 +44,16 @@ def test_environment_forces_the_choice(probe):
     probe.setenv("BATCHRUN_CPU_DTYPE", "float16")
     with pytest.raises(ValueError, match="BATCHRUN_CPU_DTYPE"):
         cpu_dtype.auto_cpu_dtype()
+
+
+def test_the_timed_product_runs_on_one_thread_and_gives_the_threads_back(monkeypatch):
+    """Two threads on a busy machine wait for each other's time slices, which can make bf16 look slower than it is."""
+    threads_seen, mm = [], torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b: threads_seen.append(torch.get_num_threads()) or mm(a, b))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert cpu_dtype._matmul_seconds(torch.float32, size=16, reps=2) > 0
+        assert threads_seen == [1, 1, 1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -2,8 +2,8 @@
 
 CPUs of one kind differ: without bf16 units, 16-bit matrix products ran 6-250x slower than float32 on the machines
 measured; with AVX-512 BF16 (AMD EPYC) they ran 2.8-3.8x faster. So the flags are read and then confirmed by a
-short timed product (about 50 ms), once a process. BATCHRUN_CPU_DTYPE=float32|bfloat16 fixes the choice (the tests
-pin float32, whose results they compare with transformers token for token).
+short timed product, once a process. BATCHRUN_CPU_DTYPE=float32|bfloat16 fixes the choice (the tests pin float32,
+whose results they compare with transformers token for token).
 """
 from __future__ import annotations
 
@@ -18,15 +18,22 @@ from batchrun.cpuinfo import cpu_flags
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
-def _matmul_seconds(dtype: torch.dtype, size: int = 512, reps: int = 3) -> float:
+def _matmul_seconds(dtype: torch.dtype, size: int = 512, reps: int = 5) -> float:
+    """The best of `reps` timed size^3 products on one thread: on a busy machine two threads wait for each other's
+    time slices (the int8 probe's note in quant/cpu_kernels.py), which can make either dtype look slow."""
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-    torch.mm(a, b)
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
         torch.mm(a, b)
-        best = min(best, time.perf_counter() - start)
-    return best
+        best = float("inf")
+        for _ in range(reps):
+            start = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - start)
+        return best
+    finally:
+        torch.set_num_threads(threads)
 
 
 @functools.cache
