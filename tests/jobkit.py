@@ -1,4 +1,5 @@
-"""Helpers for the job tests: a small Parquet input, a job file over the tiny model, the CLI in a subprocess."""
+"""Helpers for the job tests: a small Parquet input, a job file over the tiny model, the CLI in a subprocess (and
+`plan` in this process)."""
 from __future__ import annotations
 
 import os
@@ -8,6 +9,9 @@ import sys
 import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
+from click.testing import CliRunner
+
+from batchrun.cli import main
 
 WORDS = "the quick brown fox jumps over the lazy dog batch inference keeps the gpu busy".split()
 
@@ -36,6 +40,16 @@ def write_job(tmp_path, model_dir: str, name: str = "job", input_path: str = "in
 def cli(*args, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "batchrun.cli", *args], capture_output=True, text=True,
                           timeout=timeout)
+
+
+def plan(*args) -> subprocess.CompletedProcess:
+    """`batchrun plan ARGS` in this process, through click's test runner, returned as cli() returns it. The planner
+    tests call it a dozen times, and a subprocess pays about 3 s of imports each time; cli() stays for what needs the
+    process boundary (submit, signals, exit codes set by the interpreter)."""
+    result = CliRunner().invoke(main, ["plan", *args])
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return subprocess.CompletedProcess(["batchrun", "plan", *args], result.exit_code, result.stdout, result.stderr)
 
 
 def start_submit(job: str, *args) -> subprocess.Popen:

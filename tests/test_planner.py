@@ -20,7 +20,7 @@ from batchrun.stepmodel import catalog
 from batchrun.stepmodel.costmodel import ModelSpec, RooflineModel, StepShape
 from batchrun.stepmodel.linear_fit import ContextPrior, fit_linear
 from batchrun.stepmodel.simulate import WorkItem, simulate, timeline
-from jobkit import cli, write_job, write_prompts
+from jobkit import cli, plan, write_job, write_prompts
 
 LLAMA3_8B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=32,
                  intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192, tie_word_embeddings=False)
@@ -205,18 +205,18 @@ def test_fit_never_gives_a_negative_coefficient():
 def test_plan_command_on_a_job(tmp_path, tiny_model):
     write_prompts(tmp_path / "in.parquet", n=20)
     job = write_job(tmp_path, tiny_model[0])
-    out = cli("plan", job, "--gpu", "L4", "--gpu", "H100", "--deadline", "1h", "--json")
+    out = cli("plan", job, "--gpu", "L4", "--gpu", "H100", "--deadline", "1h", "--json")   # the installed entry once
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["job"]["requests"] == 20 and len(report["rows"]) == 6 and report["recommendation"]
     assert report["model"]["layers"] == 2
-    table = cli("plan", job, "--gpu", "A10G", "--price", "A10G=0.5")
+    table = plan(job, "--gpu", "A10G", "--price", "A10G=0.5")
     assert table.returncode == 0 and "A10G" in table.stdout and "recommendation" in table.stdout
-    bad = cli("plan", job, "--gpu", "Z80")
+    bad = plan(job, "--gpu", "Z80")
     assert bad.returncode == 2 and "--gpu: unknown GPU 'Z80'" in bad.stderr
-    bad = cli("plan", job, "--deadline", "yesterday")
+    bad = plan(job, "--deadline", "yesterday")
     assert bad.returncode == 2 and "--deadline" in bad.stderr
-    bad = cli("plan", job, "--model-config", str(tmp_path / "missing.json"))
+    bad = plan(job, "--model-config", str(tmp_path / "missing.json"))
     assert bad.returncode == 2 and "--model-config: cannot read the model config" in bad.stderr
 
 

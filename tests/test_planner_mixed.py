@@ -10,7 +10,7 @@ from batchrun.engine.scheduler import Scheduler
 from batchrun.planner import mixed, plan as planner
 from batchrun.stepmodel import catalog
 from batchrun.stepmodel.costmodel import ModelSpec
-from jobkit import cli, write_job, write_prompts
+from jobkit import plan, write_job, write_prompts
 from test_planner import LLAMA3_8B, work
 
 H100 = catalog.load_catalog()["H100-80GB"]
@@ -102,13 +102,13 @@ def test_plan_command_mixed_json_and_plot(tmp_path, tiny_model):
     write_prompts(tmp_path / "in.parquet", n=20)
     job = write_job(tmp_path, tiny_model[0])
     png = tmp_path / "plan.png"
-    out = cli("plan", job, "--gpu", "L4", "--deadline", "10m", "--interactive-rate", "2", "--ttft-p95", "500ms",
+    out = plan(job, "--gpu", "L4", "--deadline", "10m", "--interactive-rate", "2", "--ttft-p95", "500ms",
               "--tpot-p95", "50ms", "--plot", str(png), "--json")
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert {r["layout"] for r in report["mixed"]["rows"]} == {"shared", "two pools"}
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
-    bad = cli("plan", job, "--interactive-rate", "2")
+    bad = plan(job, "--interactive-rate", "2")
     assert bad.returncode == 2 and "--deadline" in bad.stderr
-    bad = cli("plan", job, "--deadline", "1h", "--interactive-rate", "2", "--tpot-p95", "soon")
+    bad = plan(job, "--deadline", "1h", "--interactive-rate", "2", "--tpot-p95", "soon")
     assert bad.returncode == 2 and "--tpot-p95" in bad.stderr

@@ -12,7 +12,7 @@ from batchrun.planner import plan as planner
 from batchrun.planner.api import job_weights
 from batchrun.stepmodel import catalog
 from batchrun.stepmodel.costmodel import WEIGHT_FORMATS, ModelSpec, checkpoint_weights
-from jobkit import cli, write_job, write_prompts
+from jobkit import plan, write_job, write_prompts
 from test_planner import LLAMA3_8B, LLAMA3_70B, work
 
 LLAMA32_1B = dict(LLAMA3_8B, hidden_size=2048, num_hidden_layers=16, intermediate_size=8192,
@@ -100,14 +100,14 @@ def test_a_format_the_planner_cannot_size_is_named():
 def test_plan_command_compares_weight_formats(tmp_path, tiny_model):
     write_prompts(tmp_path / "in.parquet", n=12)
     job = write_job(tmp_path, tiny_model[0])
-    out = cli("plan", job, "--gpu", "L4", "--kv-dtype", "int8", "--weights", "fp16", "--weights", "int8", "--json")
+    out = plan(job, "--gpu", "L4", "--kv-dtype", "int8", "--weights", "fp16", "--weights", "int8", "--json")
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert [r["weights"] for r in report["rows"]] == ["fp16", "int8"]
     assert report["rows"][1]["weights_gib"] < report["rows"][0]["weights_gib"]
-    table = cli("plan", job, "--gpu", "L4", "--weights", "int8")
+    table = plan(job, "--gpu", "L4", "--weights", "int8")
     assert table.returncode == 0 and "int8" in table.stdout and "engine: {kv_cache_dtype:" in table.stdout
-    bad = cli("plan", job, "--weights", "int3")
+    bad = plan(job, "--weights", "int3")
     assert bad.returncode == 2 and "--weights" in bad.stderr
 
 
@@ -186,14 +186,14 @@ def test_auto_quantization_is_planned_per_gpu_as_the_engine_picks_it():
 def test_plan_command_plans_the_jobs_quantization(tmp_path, tiny_model):
     write_prompts(tmp_path / "in.parquet", n=12)
     job = write_job(tmp_path, tiny_model[0], engine={"quantization": "int8", "quantization_lm_head": True})
-    out = cli("plan", job, "--gpu", "L4", "--kv-dtype", "int8", "--json")
+    out = plan(job, "--gpu", "L4", "--kv-dtype", "int8", "--json")
     assert out.returncode == 0, out.stderr
     assert [r["weights"] for r in json.loads(out.stdout)["rows"]] == ["int8+head"]
-    both = cli("plan", job, "--gpu", "L4", "--kv-dtype", "int8", "--weights", "int8", "--weights", "int8+head",
+    both = plan(job, "--gpu", "L4", "--kv-dtype", "int8", "--weights", "int8", "--weights", "int8+head",
                "--json")
     rows = json.loads(both.stdout)["rows"]
     assert [r["weights"] for r in rows] == ["int8", "int8+head"]
-    table = cli("plan", job, "--gpu", "L4", "--kv-dtype", "int8", "--weights", "int8+head", "--set",
+    table = plan(job, "--gpu", "L4", "--kv-dtype", "int8", "--weights", "int8+head", "--set",
                 "engine.quantization=none")
     assert table.returncode == 0 and "quantization: int8, quantization_lm_head: true}" in table.stdout
     assert rows[1]["weights_gib"] < rows[0]["weights_gib"]   # untied: the head 16 -> 8 bits
