@@ -22,7 +22,6 @@ import tempfile
 import numpy as np
 import yaml
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from eta_accuracy import cycled_input, run_recorded  # noqa: E402

@@ -103,7 +103,7 @@ def test_plan_command_mixed_json_and_plot(tmp_path, tiny_model):
     job = write_job(tmp_path, tiny_model[0])
     png = tmp_path / "plan.png"
     out = plan(job, "--gpu", "L4", "--deadline", "10m", "--interactive-rate", "2", "--ttft-p95", "500ms",
-              "--tpot-p95", "50ms", "--plot", str(png), "--json")
+               "--tpot-p95", "50ms", "--plot", str(png), "--json")
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert {r["layout"] for r in report["mixed"]["rows"]} == {"shared", "two pools"}

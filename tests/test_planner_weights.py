@@ -190,10 +190,10 @@ def test_plan_command_plans_the_jobs_quantization(tmp_path, tiny_model):
     assert out.returncode == 0, out.stderr
     assert [r["weights"] for r in json.loads(out.stdout)["rows"]] == ["int8+head"]
     both = plan(job, "--gpu", "L4", "--kv-dtype", "int8", "--weights", "int8", "--weights", "int8+head",
-               "--json")
+                "--json")
     rows = json.loads(both.stdout)["rows"]
     assert [r["weights"] for r in rows] == ["int8", "int8+head"]
     table = plan(job, "--gpu", "L4", "--kv-dtype", "int8", "--weights", "int8+head", "--set",
-                "engine.quantization=none")
+                 "engine.quantization=none")
     assert table.returncode == 0 and "quantization: int8, quantization_lm_head: true}" in table.stdout
     assert rows[1]["weights_gib"] < rows[0]["weights_gib"]   # untied: the head 16 -> 8 bits

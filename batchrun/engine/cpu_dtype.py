@@ -9,31 +9,22 @@ from __future__ import annotations
 
 import functools
 import os
-import time
 
 import torch
 
+from batchrun.cpu_timing import one_thread, seconds
 from batchrun.cpuinfo import cpu_flags
 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 def _matmul_seconds(dtype: torch.dtype, size: int = 512, reps: int = 5) -> float:
-    """The best of `reps` timed size^3 products on one thread: on a busy machine two threads wait for each other's
-    time slices (the int8 probe's note in quant/cpu_kernels.py), which can make either dtype look slow."""
+    """The best of `reps` timed size^3 products, on one thread (cpu_timing: two threads of a busy machine wait for
+    each other, which can make either dtype look slow)."""
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         torch.mm(a, b)
-        best = float("inf")
-        for _ in range(reps):
-            start = time.perf_counter()
-            torch.mm(a, b)
-            best = min(best, time.perf_counter() - start)
-        return best
-    finally:
-        torch.set_num_threads(threads)
+        return min(seconds(lambda: torch.mm(a, b)) for _ in range(reps))
 
 
 @functools.cache

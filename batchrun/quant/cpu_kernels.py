@@ -30,11 +30,11 @@ Int4Widened). No shipped kernel beats packed bf16 at prefill sizes.
 from __future__ import annotations
 
 import functools
-import time
 
 import torch
 import torch.nn.functional as F
 
+from batchrun.cpu_timing import one_thread, seconds
 from batchrun.kernels import amx_linear, rotate_quant
 from batchrun.quant import quantize
 from batchrun.quant.quantize import fake_quantize_rows
@@ -168,12 +168,6 @@ class Int8IntMM(W8A8):
         return (torch._int_mm(qx, self.weight_t) * self.scale).to(product_dtype(dtype))
 
 
-def _seconds(run) -> float:
-    start = time.perf_counter()
-    run()
-    return time.perf_counter() - start
-
-
 @functools.cache
 def onednn_int8_runs_fast() -> bool:
     """Whether oneDNN's qlinear runs a fast int8 path here: whether one of 3 runs of a small decode-sized product
@@ -190,15 +184,11 @@ def onednn_int8_runs_fast() -> bool:
     weight = quantize.int8_per_channel(torch.randn(512, 256, generator=rng), "int8")
     qx = torch.randint(-127, 128, (BATCH_HINT, 256), dtype=torch.int8, generator=rng)
     onednn, int_mm = Int8OneDNN(weight), Int8IntMM(weight)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         int_mm.product(qx, torch.float32)
-        limit = 30 * min(_seconds(lambda: int_mm.product(qx, torch.float32)) for _ in range(5))
+        limit = 30 * min(seconds(lambda: int_mm.product(qx, torch.float32)) for _ in range(5))
         onednn.product(qx, torch.float32)
-        return any(_seconds(lambda: onednn.product(qx, torch.float32)) <= limit for _ in range(3))
-    finally:
-        torch.set_num_threads(threads)
+        return any(seconds(lambda: onednn.product(qx, torch.float32)) <= limit for _ in range(3))
 
 
 def product_dtype(dtype: torch.dtype) -> torch.dtype:
