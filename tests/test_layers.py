@@ -7,7 +7,7 @@ import os
 import batchrun
 
 FLOORS = [
-    {"cpuinfo", "paths", "config", "structured", "attention_metadata", "admission_order", "deadline"},
+    {"cpuinfo", "cpu_timing", "paths", "config", "structured", "attention_metadata", "admission_order", "deadline"},
     {"sampling_params", "kernels"},
     {"models"},                              # model families; their CPU products call the kernels
     {"quant"},                               # quantized weights: formats, kernels, the loader's hook
