@@ -37,7 +37,7 @@ from batchrun.job.eta import WARMUP_STEPS  # noqa: E402
 from batchrun.stepmodel.costmodel import StepShape  # noqa: E402
 from batchrun.stepmodel.linear_fit import ContextPrior  # noqa: E402
 from batchrun.stepmodel.recent_fit import fit_recent  # noqa: E402
-from step_recorder import recorded_steps, save  # noqa: E402
+from step_recorder import recorded_steps, save, shape_of  # noqa: E402
 
 BATCH_BINS = ((1, 8), (8, 16), (16, 24), (24, 10**9))
 REPLAY_AT = (0.1, 0.25, 0.4, 0.5, 0.6, 0.75)
@@ -77,7 +77,7 @@ def report(steps: list, fits: dict, sims: list) -> None:
     def price(model, shapes):
         return np.array([model.step_time(shape) for shape in shapes])
 
-    real_shapes = [StepShape(*step[:4]) for step in steps]
+    real_shapes = [shape_of(step) for step in steps]
     measured = np.array([step[4] for step in steps])
     print("simulated / real steps after each simulation, and both priced by that moment's fit")
     for at, trace in sims:
@@ -116,7 +116,7 @@ def replay(paths: list[str], cpu_time: bool) -> None:
             run = runs[path] = json.load(f)
         prior = run.get("prior") and ContextPrior(**run["prior"])
         kept = [step for step in run["steps"][WARMUP_STEPS:] if step[0]]   # as the ETA records them
-        shapes = [StepShape(*step[:4]) for step in kept]
+        shapes = [shape_of(step) for step in kept]
         measured = np.array([step[5 if cpu_time else 4] for step in kept])
         print(f"{path}: {run['cpu']}, {run['order']}, overrides {run['overrides']}, {len(kept)} steps, "
               f"{'CPU' if cpu_time else 'wall'} time, prior {prior}")

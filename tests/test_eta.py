@@ -2,6 +2,7 @@
 the job's own steps), not from the rows left; the figures in summary.json, metrics.prom and status while running
 (the deadline verdict itself: test_deadline.py); a resumed run's estimate starts from the saved steps."""
 import copy
+import dataclasses
 import random
 from datetime import datetime, timedelta
 from types import SimpleNamespace
@@ -39,33 +40,39 @@ class FakeClock:
 class SyntheticJob:
     """Requests stepped through the real scheduler on the synthetic step time, observed as the runner does."""
 
-    def __init__(self, outputs: list[int], prompt_lens: list[int], saved: dict | None = None, jitter: float = 0.0,
+    def __init__(self, outputs: list[int], prompt_lens: list, saved: dict | None = None, jitter: float = 0.0,
                  prior: ContextPrior | None = None, step_time=step_seconds, max_tokens: list[int] | None = None,
-                 decodes_on_request: bool = False):
+                 decodes_on_request: bool = False, prefix_caching: bool = False, count_shared: bool = True):
         """Request i generates outputs[i] tokens: it stops there (token 1, a stop token) when max_tokens[i] is more.
-        decodes_on_request: the estimator may ask the scheduler for steps of decodes alone, as a job's does."""
+        prompt_lens[i]: its prompt's length (ids of its own), or its prompt's ids. decodes_on_request: the estimator
+        may ask the scheduler for steps of decodes alone, as a job's does. count_shared=False: the estimator sees
+        no shared context (the step time is the law's all the same)."""
         self.clock, self.step_time = FakeClock(), step_time
         self.jitter = random.Random(0), jitter   # step times that vary as on a shared CPU
         self.scheduler = make_scheduler(POOL["num_blocks"], POOL["block_size"], POOL["max_num_seqs"],
-                                        POOL["max_num_batched_tokens"], False)
+                                        POOL["max_num_batched_tokens"], prefix_caching)
         self.outputs = outputs
         for i, (out, n, most) in enumerate(zip(outputs, prompt_lens, max_tokens or outputs)):
-            self.scheduler.add(Request(str(i), [5 + (i + j) % 200 for j in range(n)],
+            ids = n if isinstance(n, list) else [5 + (i + j) % 200 for j in range(n)]
+            self.scheduler.add(Request(str(i), ids,
                                        SamplingParams(max_tokens=most, temperature=0, stop_token_ids=[1]),
                                        arrival_index=i))
-        self.eta = EtaEstimator(**POOL, rows_to_read=0, window=8192, bucketing=False, longest_first=False,
-                                prior=prior, saved=saved, clock=self.clock, wall_clock=self.clock, min_interval_s=0,
+        self.eta = EtaEstimator(**POOL | {"prefix_caching": prefix_caching}, rows_to_read=0, window=8192,
+                                bucketing=False, longest_first=False, prior=prior, saved=saved, clock=self.clock,
+                                wall_clock=self.clock, min_interval_s=0,
                                 run_decodes_alone=self.scheduler.run_decodes_alone if decodes_on_request else None)
         self.total, self.done, self.generated = len(outputs), 0, 0
+        self.count_shared = count_shared
 
     def step(self) -> None:
         plan = self.scheduler.schedule()
-        shape = StepShape.of(plan.scheduled)
+        shape = StepShape.of(plan.scheduled, POOL["block_size"])
         rng, jitter = self.jitter
         seconds = self.step_time(shape) * rng.uniform(1 - jitter, 1 + jitter)
         self.clock.t += seconds
         self.generated += len(plan.sampling)
-        self.eta.observe_step(shape, seconds, self.generated)
+        self.eta.observe_step(shape if self.count_shared else dataclasses.replace(shape, shared_kv_tokens=0), seconds,
+                              self.generated)
         sampled = [(r, int(len(r.output_token_ids) + 1 == self.outputs[int(r.request_id)]), None)
                    for r in plan.sampling]
         for request in self.scheduler.update(plan, sampled):
@@ -141,8 +148,7 @@ def test_the_fit_recovers_a_prefill_attention_term_the_three_term_fit_misprices(
     recovers its four coefficients; without the fourth term, the same steps price the decode tail wrong."""
     job = SyntheticJob([60] * 16, [200 + 37 * (i % 5) for i in range(16)], step_time=prefill_law)
     job.time_to_finish()
-    shapes = [StepShape(t, s, c, p) for t, s, c, p, _ in job.eta.steps]
-    times = [seconds for *_, seconds in job.eta.steps]
+    shapes, times = job.eta.recorded()
     model = fit_linear(shapes, times, holdout_every=0)
     assert (model.a, model.b, model.c, model.d) == pytest.approx((0.01, 0.001, 2e-5, 1e-6), rel=1e-6)
     three = fit_linear([StepShape(s.tokens, s.seqs, s.kv_tokens, s.kv_tokens) for s in shapes], times,

@@ -33,7 +33,7 @@ def loaded_job(rows: int = 120) -> tuple[SyntheticJob, Machine]:
 
 
 def record(job: SyntheticJob) -> tuple[list[StepShape], list[float]]:
-    return [StepShape(t, s, c, p) for t, s, c, p, _ in job.eta.steps], [seconds for *_, seconds in job.eta.steps]
+    return job.eta.recorded()
 
 
 def priced_over_measured(model, shapes, times) -> float:

@@ -252,7 +252,7 @@ class Engine:
         touched = self._rejected
         self._rejected = []
         plan = self.scheduler.schedule()
-        shape = StepShape.of(plan.scheduled)   # read before update advances the requests
+        shape = StepShape.of(plan.scheduled, self.config.block_size)   # read before update advances the requests
         if self.step_threads is not None:
             self.step_threads.before_step(shape.tokens)
         clock.lap("schedule_s")

@@ -100,9 +100,9 @@ class EtaEstimator:
         self.bucketing, self.longest_first = bucketing, longest_first
         self.clock, self.wall_clock, self.min_interval_s = clock, wall_clock, min_interval_s
         saved = saved or {}
-        # (tokens, seqs, context, attention pairs, seconds); a record saved before the pairs were kept: no prefill term
-        self.steps: deque[tuple[int, int, int, int, float]] = deque(
-            (tuple(s) if len(s) == 5 else (*s[:3], s[2], s[3]) for s in saved.get("steps", [])), maxlen=KEEP)
+        # (tokens, seqs, context, attention pairs, shared context, seconds) of each step; a record saved by an older
+        # version lacks the shared context (read as 0), or the pairs too (read as a decode step's)
+        self.steps: deque[tuple] = deque((_upgraded(tuple(s)) for s in saved.get("steps", [])), maxlen=KEEP)
         self.lengths = OutputLengths(saved.get("output_lengths", []))
         self.overhead = float(saved.get("overhead", 1.0))   # wall time / time inside steps (the runner's own work)
         self.prompt_sample: list[tuple[int, int]] = []       # (prompt tokens, max_tokens) of rows read, a reservoir
@@ -159,8 +159,14 @@ class EtaEstimator:
         for simulation in self._recent:
             simulation.observe(shape)
         if shape.tokens and self._run_steps > WARMUP_STEPS:
-            self.steps.append((shape.tokens, shape.seqs, shape.kv_tokens, shape.attn_pairs, seconds))
+            self.steps.append((shape.tokens, shape.seqs, shape.kv_tokens, shape.attn_pairs, shape.shared_kv_tokens,
+                               seconds))
             self._ask_for_decodes()
+
+    def recorded(self) -> tuple[list[StepShape], list[float]]:
+        """The recorded steps' shapes and seconds."""
+        return ([StepShape(t, s, c, p, shared_kv_tokens=shared) for t, s, c, p, shared, _ in self.steps],
+                [seconds for *_, seconds in self.steps])
 
     def _ask_for_decodes(self) -> None:
         """Once the record holds MIN_STEPS - MIN_SMALL_STEPS steps, the small steps it still lacks are asked of the
@@ -247,8 +253,7 @@ class EtaEstimator:
         job's first estimate 1.9-2.4x the time left, while the prefill steps that followed it were priced right."""
         if len(self.steps) < MIN_STEPS:
             return None
-        shapes = [StepShape(t, s, c, p) for t, s, c, p, _ in self.steps]
-        times = [seconds for *_, seconds in self.steps]
+        shapes, times = self.recorded()
         try:
             fitted = fit_recent(shapes, times, prior=self.prior)
         except (ValueError, np.linalg.LinAlgError):
@@ -309,7 +314,8 @@ class EtaEstimator:
         sampled = len(requests) - started
         runs = []   # (seconds, share extrapolated) of each draw
         for quantiles in antithetic_strata(len(requests)):
-            items = [WorkItem(tokens, self.lengths.draw(generated, max_tokens, prompt, u) - generated, computed)
+            items = [WorkItem(tokens, self.lengths.draw(generated, max_tokens, prompt, u) - generated, computed,
+                              generated)
                      for (tokens, prompt, generated, max_tokens, computed), u in zip(requests, quantiles)]
             trace = simulate(items, *self.pool)
             if sum(shape.tokens <= unseen_up_to for shape in trace.shapes) > UNSEEN_SHARE * len(trace.shapes):
@@ -342,6 +348,13 @@ class EtaEstimator:
                 keys[start:start + window] = sorted(keys[start:start + window], key=lambda k: k[0],
                                                     reverse=self.longest_first)
         return keys
+
+
+def _upgraded(step: tuple) -> tuple:
+    """A saved step as (tokens, seqs, context, attention pairs, shared context, seconds)."""
+    if len(step) == 4:    # (tokens, seqs, context, seconds): its pairs those of decodes
+        step = (*step[:3], step[2], step[3])
+    return step if len(step) == 6 else (*step[:4], 0, step[4])
 
 
 def _superseded(finished_then: int, finished_now: int) -> bool:

@@ -1,7 +1,7 @@
 """The step-time model fitted on a machine's own measured steps (calibration, the job's ETA): t = a + b x tokens
-+ c x sum(context) + d x prefill pairs + e x sequences + g x [prefill in the step], by least squares with
-non-negative coefficients, outliers dropped, and priors (ContextPrior) where the steps cannot tell two coefficients
-apart.
++ c x private context + cs x shared context + d x prefill pairs + e x sequences + g x [prefill in the step], by least
+squares with non-negative coefficients, outliers dropped, and priors (ContextPrior) where the steps cannot tell two
+coefficients apart.
 """
 from __future__ import annotations
 
@@ -16,8 +16,11 @@ from batchrun.stepmodel.costmodel import ModelSpec
 
 @dataclass
 class LinearModel:
-    """t = a + b x tokens + c x sum(context) + d x prefill pairs + e x sequences + g x [a prefill chunk in the step]:
-    fitted on measured steps of this machine (calibration, the job's ETA).
+    """t = a + b x tokens + c x private context + cs x shared context + d x prefill pairs + e x sequences
+    + g x [a prefill chunk in the step]: fitted on measured steps of this machine (calibration, the job's ETA).
+
+    - c, cs: the context (KV) each scheduled sequence reads, the tokens of blocks an earlier sequence of the step
+      reads too (StepShape.shared_kv_tokens: a prefix cached once, read from memory once) at cs, the rest at c.
 
     - d: a prefill chunk's attention (its new tokens x their context, StepShape.prefill_pairs), which grows with the
       chunk's context as a decode step's does not: without it, c took that growth from the prefill steps and
@@ -33,6 +36,7 @@ class LinearModel:
     d: float = 0.0
     e: float = 0.0
     g: float = 0.0
+    cs: float = 0.0
     train_error: float = 0.0       # mean absolute % error on the steps it was fitted on
     heldout_error: float = 0.0     # ... on held-out steps
     heldout_total_error: float = 0.0  # % error of the summed time of the held-out steps
@@ -41,12 +45,13 @@ class LinearModel:
     scale: float = 1.0             # measured / fitted time over every pilot step: the stalls put back in the level
 
     def step_time(self, s: StepShape) -> float:
-        return self.scale * max(self.a + self.b * s.tokens + self.c * s.kv_tokens + self.d * s.prefill_pairs
-                                + self.e * s.seqs + self.g * (s.tokens > s.seqs), 0.0)
+        return self.scale * max(self.a + self.b * s.tokens + self.c * s.unique_kv_tokens
+                                + self.cs * s.shared_kv_tokens + self.d * s.prefill_pairs + self.e * s.seqs
+                                + self.g * (s.tokens > s.seqs), 0.0)
 
     def to_dict(self) -> dict:
         return {"a_s": self.a, "b_s_per_token": self.b, "c_s_per_context_token": self.c,
-                "d_s_per_prefill_pair": self.d, "e_s_per_sequence": self.e, "g_s_per_prefill_step": self.g,
+                "cs_s_per_shared_context_token": self.cs, "d_s_per_prefill_pair": self.d, "e_s_per_sequence": self.e, "g_s_per_prefill_step": self.g,
                 "steps": self.steps,
                 "outliers": self.outliers, "scale": round(self.scale, 4), "train_mape_pct": round(self.train_error, 2),
                 "heldout_mape_pct": round(self.heldout_error, 2),
@@ -57,13 +62,14 @@ def _mape(pred: np.ndarray, y: np.ndarray) -> float:
     return float(np.mean(np.abs(pred - y) / np.maximum(y, 1e-9)) * 100)
 
 
-A, B, C, D, E, G = range(6)   # LinearModel's coefficients, in the order of fit_linear's columns
+A, B, C, D, E, G, CS = range(7)   # LinearModel's coefficients, in the order of fit_linear's columns
 
 
 def step_features(shapes: list[StepShape]) -> np.ndarray:
-    """fit_linear's columns: 1, tokens, context, prefill pairs, sequences, a prefill chunk in the step (0/1)."""
-    return np.array([[1.0, s.tokens, s.kv_tokens, s.prefill_pairs, s.seqs, float(s.tokens > s.seqs)]
-                     for s in shapes], dtype=float)
+    """fit_linear's columns: 1, tokens, private context, prefill pairs, sequences, a prefill chunk in the step (0/1),
+    shared context."""
+    return np.array([[1.0, s.tokens, s.unique_kv_tokens, s.prefill_pairs, s.seqs, float(s.tokens > s.seqs),
+                      s.shared_kv_tokens] for s in shapes], dtype=float)
 
 
 @dataclass(frozen=True)
@@ -108,20 +114,30 @@ SEQUENCE_SPREAD = 0.15   # the least deviation of e from its prior, in units of 
 # a Xeon was 2.3 (float32) and 2.7 (bfloat16). The spread is wide: steps that tell d from b outweigh it.
 ATTENTION_SLOWDOWN = 2.5
 PAIR_SPREAD = 1.0
+# A shared context token's price over a private one's (cs / c): fitted on whole runs of a 1,000-row job whose prompts
+# each run beside their copies (SmolLM2, bf16; bench/shared_kv_probe.py), 0.62 and 0.67 on an Intel Xeon, 0.75 on an
+# AMD EPYC. A run's shared share grows with its context (shortest first: 7 % of the decode steps' context in the
+# first tenth, 45 % at half the run), so the steps so far do not tell the two apart: a free split on the first half
+# gave 0.58, 0.68 and 1.32 (Xeon; the last priced the tail 1.27x), 1.29 (AMD). The prior carries it until the steps
+# can.
+SHARED_RATIO = 0.7
+SHARED_SPREAD = 0.3       # relative standard deviation
 
 
 def _prior_rows(x: np.ndarray, y: np.ndarray, prior: ContextPrior | None) -> tuple[np.ndarray, np.ndarray]:
     """The priors as least-squares rows (x and y already weighted): Gaussian priors on c - ratio x a (deviation
-    spread x ratio x a0), on e - sequence_ratio x b (deviation SEQUENCE_SPREAD x b0, at least) and on
-    d - pair_ratio x b (deviation PAIR_SPREAD x pair_ratio x b0), each weighed against the steps' noise sigma (row
-    weight = sigma / deviation). a0 and b0 come from the fit tied to the priors, sigma from the free fit's residuals:
-    where the steps fit the free model well, a wrong prior cannot pull it. Without a prior: e ~ 0 (a sequence costs
-    what a token does) unless the steps say otherwise, and d free."""
+    spread x ratio x a0), on e - sequence_ratio x b (deviation SEQUENCE_SPREAD x b0, at least), on
+    d - pair_ratio x b (deviation PAIR_SPREAD x pair_ratio x b0) and on cs - SHARED_RATIO x c (deviation
+    SHARED_SPREAD x SHARED_RATIO x c0), each weighed against the steps' noise sigma (row weight = sigma / deviation).
+    a0, b0 and c0 come from the fit tied to the priors (c0 from the free fit without a prior), sigma from the free
+    fit's residuals: where the steps fit the free model well, a wrong prior cannot pull it. Without a prior: e ~ 0
+    (a sequence costs what a token does) unless the steps say otherwise, and d free."""
     ratio, per_sequence, pair = (prior.ratio, prior.sequence_ratio, prior.pair_ratio) if prior else (0.0, 0.0, 0.0)
-    tied_x = np.c_[x[:, A] + ratio * x[:, C], x[:, B] + per_sequence * x[:, E] + pair * x[:, D],
-                   x[:, D] * (pair == 0), x[:, G]]
+    tied_x = np.c_[x[:, A] + ratio * (x[:, C] + SHARED_RATIO * x[:, CS]),
+                   x[:, B] + per_sequence * x[:, E] + pair * x[:, D], x[:, D] * (pair == 0), x[:, G]]
     tied = _nonneg_lstsq(tied_x, y)
-    sigma = _robust_sigma(y - x @ _nonneg_lstsq(x, y))
+    free = _nonneg_lstsq(x, y)
+    sigma = _robust_sigma(y - x @ free)
     rows = []
 
     def tie(base: int, tied_to: int, to_ratio: float, deviation: float) -> None:
@@ -133,6 +149,8 @@ def _prior_rows(x: np.ndarray, y: np.ndarray, prior: ContextPrior | None) -> tup
 
     if prior and tied[0] > 0:
         tie(A, C, prior.ratio, prior.spread * prior.ratio * tied[0])
+    if (private := prior.ratio * tied[0] if prior else free[C]) > 0:   # steps with no shared context price it too
+        tie(C, CS, SHARED_RATIO, SHARED_SPREAD * SHARED_RATIO * private)
     if tied[1] > 0 and x[:, E].any():
         tie(B, E, per_sequence, max(SEQUENCE_SPREAD, 0.5 * per_sequence) * tied[1])
     if pair and tied[1] > 0 and x[:, D].any():

@@ -21,10 +21,12 @@ from batchrun.sampling_params import SamplingParams
 class WorkItem:
     """One request of the job: its prompt (token ids, or only a length) and how many tokens it will generate.
     `computed` > 0: a request already running, whose first `computed` tokens are in the KV cache (a job's ETA
-    simulates from the engine's present state)."""
+    simulates from the engine's present state); `generated` of them are its output so far, in blocks of its own
+    (what it shares through the prefix cache is its prompt's)."""
     prompt: tuple[int, ...] | int
     output_tokens: int
     computed: int = 0
+    generated: int = 0   # of the prompt's tokens, the last are this many tokens the running request generated
 
     @property
     def prompt_len(self) -> int:
@@ -84,11 +86,16 @@ def make_requests(items: list[WorkItem], keys: list[tuple] | None = None) -> lis
             for i, item in enumerate(items) if item.output_tokens >= 1]
 
 
-def place_running(scheduler: Scheduler, request: Request, computed: int) -> bool:
-    """Put a request in the running batch with `computed` tokens in the cache, as the engine holds it mid-job;
-    False when the pool cannot hold it (it then waits and recomputes, as after a preemption)."""
+def place_running(scheduler: Scheduler, request: Request, computed: int, prompt_tokens: int) -> bool:
+    """Put a request in the running batch with `computed` tokens in the cache, as the engine holds it mid-job: the
+    full blocks of its prompt that a request placed before it holds are shared (the prefix cache shared them at
+    admission), the rest its own. False when the pool cannot hold it (it then waits and recomputes, as after a
+    preemption)."""
     lane = scheduler.lanes[-1]
-    if len(lane.running) >= scheduler.max_num_seqs or not lane.block_manager.allocate_slots(request, computed):
+    blocks = lane.block_manager
+    hits = blocks.get_computed_blocks(request)[:max(min(computed, prompt_tokens - 1), 0) // blocks.block_size]
+    if (len(lane.running) >= scheduler.max_num_seqs
+            or not blocks.allocate_slots(request, computed - len(hits) * blocks.block_size, hits)):
         return False
     request.num_computed_tokens, request.status = computed, RequestStatus.RUNNING
     lane.block_manager.cache_full_blocks(request, computed)   # its blocks serve the prefix cache, as in the engine
@@ -102,9 +109,10 @@ def simulate(items: list[WorkItem], num_blocks: int, block_size: int = 16, max_n
     """Run every item through the real scheduler and block manager; the trace of step shapes.
     Prefix caching needs real token ids (an int prompt becomes distinct dummy ids, so nothing is shared)."""
     scheduler = make_scheduler(num_blocks, block_size, max_num_seqs, max_num_batched_tokens, prefix_caching)
-    computed = {str(i): item.computed for i, item in enumerate(items) if item.computed}
+    running = {str(i): item for i, item in enumerate(items) if item.computed}
     for request in make_requests(items, keys):
-        if not (request.request_id in computed and place_running(scheduler, request, computed[request.request_id])):
+        item = running.get(request.request_id)
+        if not (item and place_running(scheduler, request, item.computed, item.prompt_len - item.generated)):
             scheduler.add(request)
     trace = Trace()
     while scheduler.has_unfinished():
@@ -112,7 +120,7 @@ def simulate(items: list[WorkItem], num_blocks: int, block_size: int = 16, max_n
         if not plan.scheduled:
             raise RuntimeError("simulation: the scheduler planned no work; the pool cannot hold the next request "
                                f"({num_blocks} blocks of {block_size} tokens)")
-        trace.shapes.append(StepShape.of(plan.scheduled))
+        trace.shapes.append(StepShape.of(plan.scheduled, block_size))
         trace.running.append(len(scheduler.running))
         trace.waiting.append(scheduler.num_waiting)
         trace.out_tokens.append(len(plan.sampling))
