@@ -64,6 +64,18 @@ def test_steps_of_decodes_alone_leave_the_chunks_and_admissions_for_after():
     assert step(s)[0] == [("long", 1)] and s.decode_steps_asked == 0
 
 
+def test_steps_of_decodes_alone_never_hold_back_an_interactive_request():
+    s = lanes(budget=10, interactive_cap=10, yield_cap=10)
+    s.add(request("a", 4, 5))
+    s.add(request("b", 25, 2))
+    assert step(s)[0] == [("a", 4), ("b", 6)]
+    s.add(request("chat", 6, 2, lane="interactive"))
+    s.add(request("c", 4, 2))
+    s.run_decodes_alone(1)
+    assert step(s)[0] == [("chat", 6), ("a", 1)]   # the chat prefills; b's chunk and c's admission wait
+    assert step(s)[0] == [("chat", 1), ("a", 1), ("b", 8)]
+
+
 def test_max_num_seqs_caps_admission():
     s = single(max_num_seqs=2, budget=100)
     for name in "abc":

@@ -136,20 +136,23 @@ class Scheduler:
         chunk's compute, a decode step's is reading the weights, and the first tells nothing of the second (fits on
         the chunks of the sample's first 8-10 s at bf16 priced its decode steps 0.26-3.96x). The cost is small: the
         sample's 4 such steps took 45-65 ms each (SmolLM2, bf16, two cores), where the same 26-28 decodes beside a
-        1,024-token chunk take about 20 ms of its time."""
+        1,024-token chunk take about 20 ms of its time. Only the batch lane (the last) is held so: a lane above it
+        (interactive requests) admits and prefills as ever."""
         self.decode_steps_asked = max(self.decode_steps_asked, steps)
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
-        decodes_alone = self.decode_steps_asked > 0 and any(_decoding(r) for r in self.running)
+        batch = self.lanes[-1]
+        decodes_alone = self.decode_steps_asked > 0 and any(_decoding(r) for r in batch.running)
         if decodes_alone:
             self.decode_steps_asked -= 1
         budget, busy_above = self.max_num_batched_tokens, False
         for lane in self.lanes:
             cap = lane.token_cap if not busy_above or lane.yield_cap is None else min(lane.token_cap, lane.yield_cap)
             lane_budget = min(budget, cap)
-            used = self._schedule_running(lane, lane_budget, plan, decodes_alone)
-            if not plan.preempted and not decodes_alone:   # a full pool would only preempt again
+            alone = decodes_alone and lane is batch
+            used = self._schedule_running(lane, lane_budget, plan, alone)
+            if not plan.preempted and not alone:   # a full pool would only preempt again
                 used += self._admit(lane, lane_budget - used, plan)
             budget -= used
             busy_above = busy_above or bool(lane.running or lane.waiting)
