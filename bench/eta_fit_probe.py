@@ -2,7 +2,7 @@
 
     python bench/eta_fit_probe.py [--job jobs/demo.yaml] [--order shortest_first|longest_first] [--set KEY=VALUE]
                                   [--steps steps.json]
-    python bench/eta_fit_probe.py --replay steps.json [more.json ...] [--cpu-time]
+    python bench/eta_fit_probe.py --replay steps.json [more.json ...] [--cpu-time] [--one-context-term]
 
 Runs the job once, recording every engine step (shape and measured time), every step-time fit the ETA makes and
 every simulation it runs (two per estimate: eta.antithetic_strata). Then, for each simulation, sets the simulated
@@ -17,10 +17,12 @@ their wall time: on a core shared with another process, its load moves the wall 
 not its CPU time. Runs of the same job and order repeat the same steps (greedy outputs, a deterministic scheduler):
 replayed together, their measured seconds are set side by side by tenth of the run, which tells the machine's
 run-to-run speed (the same steps, different times) from a step model's misprice (the same times, priced wrong).
+--one-context-term replays the fit as it was before shared context was counted (every context token at c).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -109,7 +111,7 @@ def kinds_priced(priced: np.ndarray, measured: np.ndarray, shapes: list[StepShap
     return ", ".join(parts)
 
 
-def replay(paths: list[str], cpu_time: bool) -> None:
+def replay(paths: list[str], cpu_time: bool, one_context_term: bool = False) -> None:
     errors, runs = [], {}
     for path in paths:
         with open(path) as f:
@@ -117,6 +119,8 @@ def replay(paths: list[str], cpu_time: bool) -> None:
         prior = run.get("prior") and ContextPrior(**run["prior"])
         kept = [step for step in run["steps"][WARMUP_STEPS:] if step[0]]   # as the ETA records them
         shapes = [shape_of(step) for step in kept]
+        if one_context_term:   # the shape before shared context was counted: all of it priced at c
+            shapes = [dataclasses.replace(shape, shared_kv_tokens=0) for shape in shapes]
         measured = np.array([step[5 if cpu_time else 4] for step in kept])
         print(f"{path}: {run['cpu']}, {run['order']}, overrides {run['overrides']}, {len(kept)} steps, "
               f"{'CPU' if cpu_time else 'wall'} time, prior {prior}")
@@ -157,14 +161,16 @@ def main() -> None:
     ap.add_argument("--order", default="shortest_first", choices=("shortest_first", "longest_first"))
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a job-file override")
     ap.add_argument("--steps", help="write every recorded step [tokens, seqs, kv_tokens, attn_pairs, seconds, CPU "
-                                    "seconds] and finished row [prompt tokens, generated, max_tokens] here (JSON), "
+                                    "seconds, shared_kv_tokens] and finished row [prompt tokens, generated, max_tokens] here (JSON), "
                                     "to replay fits and forecasts offline")
     ap.add_argument("--replay", metavar="STEPS_JSON", nargs="+",
                     help="refit recorded runs (--steps) instead of running one")
     ap.add_argument("--cpu-time", action="store_true", help="with --replay: price the steps' CPU time")
+    ap.add_argument("--one-context-term", action="store_true",
+                    help="with --replay: count no shared context (every context token priced alike, as before)")
     args = ap.parse_args()
     if args.replay:
-        return replay(args.replay, args.cpu_time)
+        return replay(args.replay, args.cpu_time, args.one_context_term)
     print(f"CPU: {cpu_model()}; job {args.job}, {args.order}, overrides {args.set}")
     recorded, fits, sims = record(args.job, args.order, args.set)
     if args.steps:

@@ -50,9 +50,9 @@ class LinearModel:
                                 + self.g * (s.tokens > s.seqs), 0.0)
 
     def to_dict(self) -> dict:
-        return {"a_s": self.a, "b_s_per_token": self.b, "c_s_per_context_token": self.c,
-                "cs_s_per_shared_context_token": self.cs, "d_s_per_prefill_pair": self.d, "e_s_per_sequence": self.e, "g_s_per_prefill_step": self.g,
-                "steps": self.steps,
+        return {"a_s": self.a, "b_s_per_token": self.b, "c_s_per_private_context_token": self.c,
+                "cs_s_per_shared_context_token": self.cs, "d_s_per_prefill_pair": self.d,
+                "e_s_per_sequence": self.e, "g_s_per_prefill_step": self.g, "steps": self.steps,
                 "outliers": self.outliers, "scale": round(self.scale, 4), "train_mape_pct": round(self.train_error, 2),
                 "heldout_mape_pct": round(self.heldout_error, 2),
                 "heldout_total_error_pct": round(self.heldout_total_error, 2)}
