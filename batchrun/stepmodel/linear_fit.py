@@ -115,13 +115,15 @@ SEQUENCE_SPREAD = 0.15   # the least deviation of e from its prior, in units of 
 ATTENTION_SLOWDOWN = 2.5
 PAIR_SPREAD = 1.0
 # A shared context token's price over a private one's (cs / c): fitted on whole runs of a 1,000-row job whose prompts
-# each run beside their copies (SmolLM2, bf16; bench/shared_kv_probe.py), 0.62 and 0.67 on an Intel Xeon, 0.75 on an
-# AMD EPYC. A run's shared share grows with its context (shortest first: 7 % of the decode steps' context in the
-# first tenth, 45 % at half the run), so the steps so far do not tell the two apart: a free split on the first half
-# gave 0.58, 0.68 and 1.32 (Xeon; the last priced the tail 1.27x), 1.29 (AMD). The prior carries it until the steps
-# can.
+# each run beside their copies, shortest first (SmolLM2; bench/shared_kv_probe.py, the decode steps), 0.62 and 0.67
+# at bf16 on an Intel Xeon, 0.75 (bf16) and 0.52 (fp32) on an AMD EPYC. A run's shared share grows with its context
+# (7 % of the decode steps' context in the first tenth, 45 % at half the run), so the steps so far do not tell the two
+# apart: free splits on the first half gave 0.58, 0.68, 1.32 (Xeon; the last priced the tail 1.27x) and 1.29 (AMD),
+# the job's fit at 25-75 % of a run 0.18-0.85. Replayed on four 1,000-row runs (AMD, bf16 and fp32, both orders;
+# bench/eta_fit_probe.py --replay), the rest of each run was priced within 4.9-5.1 % on average with the spread at
+# 0.08-0.1 (the ratio 0.6-0.8 alike), 6.1 % at 0.3, 6.8 % at 1.0 and 6.4 % with one context term.
 SHARED_RATIO = 0.7
-SHARED_SPREAD = 0.3       # relative standard deviation
+SHARED_SPREAD = 0.1       # relative standard deviation
 
 
 def _prior_rows(x: np.ndarray, y: np.ndarray, prior: ContextPrior | None) -> tuple[np.ndarray, np.ndarray]:
