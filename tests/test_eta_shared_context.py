@@ -1,6 +1,6 @@
 """Context that sequences of one step share (a prefix cached once, read once): counted apart in the step's shape,
 kept in the simulation of the running requests, and priced apart by the step fit, so that a job whose tail runs
-prompts beside their copies is not priced as if each read its own (README: the ETA on an Intel Xeon with AMX)."""
+prompts beside their copies is not priced as if each read its own (README: shared context priced apart)."""
 import dataclasses
 from types import SimpleNamespace
 
