@@ -161,8 +161,8 @@ def main() -> None:
     ap.add_argument("--order", default="shortest_first", choices=("shortest_first", "longest_first"))
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a job-file override")
     ap.add_argument("--steps", help="write every recorded step [tokens, seqs, kv_tokens, attn_pairs, seconds, CPU "
-                                    "seconds, shared_kv_tokens] and finished row [prompt tokens, generated, max_tokens] here (JSON), "
-                                    "to replay fits and forecasts offline")
+                                    "seconds, shared_kv_tokens] and finished row [prompt tokens, generated, "
+                                    "max_tokens] here (JSON), to replay fits and forecasts offline")
     ap.add_argument("--replay", metavar="STEPS_JSON", nargs="+",
                     help="refit recorded runs (--steps) instead of running one")
     ap.add_argument("--cpu-time", action="store_true", help="with --replay: price the steps' CPU time")
