@@ -7,7 +7,8 @@ import yaml
 
 from batchrun.deadline import parse_deadline
 from batchrun.job import JobError, JobSpec
-from batchrun.job.eta import Eta, deadline_verdict
+from batchrun.job.eta import Eta
+from batchrun.job.eta_text import deadline_verdict
 
 
 def test_deadline_verdict_reads_the_band():

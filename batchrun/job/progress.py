@@ -10,7 +10,8 @@ from datetime import datetime
 
 from tqdm.auto import tqdm
 
-from batchrun.job.eta import Eta, EtaEstimator, clock_text, deadline_verdict, duration_text
+from batchrun.job.eta import Eta, EtaEstimator
+from batchrun.job.eta_text import clock_text, deadline_verdict, duration_text
 from batchrun.job.run_summary import Estimate
 
 log = logging.getLogger("batchrun.job")

@@ -13,7 +13,7 @@ from datetime import datetime
 
 from tqdm.auto import tqdm
 
-from batchrun.job.eta import clock_text, duration_text
+from batchrun.job.eta_text import clock_text, duration_text
 from batchrun.job.run_summary import RunSummary
 
 log = logging.getLogger("batchrun.job")
